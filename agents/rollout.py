@@ -1,0 +1,100 @@
+"""Play whole episodes of a text env with an agent, one env at a time.
+
+This is the plain sequential loop (demos, tests, expert data, evaluation on one process). Streaming,
+many-episode rollouts go through ``streamrl.envs.vector`` and the runtime in ``streamrl.algorithms``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import gymnasium as gym
+
+from streamrl.agents.base import Agent, EpisodeId
+
+_episode_counter = itertools.count()
+
+
+@dataclass
+class Turn:
+    """One env step: the action sent and what came back."""
+
+    action: str
+    observation: str
+    reward: float
+    action_valid: bool
+
+
+@dataclass
+class EpisodeResult:
+    """Outcome of one episode, with the full text transcript and the agent's token record (if any)."""
+
+    task_id: str
+    initial_observation: str
+    turns: list[Turn]
+    reward: float
+    won: bool
+    terminated: bool
+    truncated: bool
+    final_info: dict[str, Any]
+    record: Any | None = None
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def steps(self) -> int:
+        return len(self.turns)
+
+    def transcript(self) -> str:
+        """Human-readable transcript: the first observation, then ``> action`` / observation pairs."""
+        lines = [self.initial_observation]
+        for turn in self.turns:
+            lines.append(f"> {turn.action}")
+            lines.append(turn.observation)
+        return "\n".join(lines)
+
+
+def play_episode(
+    env: gym.Env,
+    agent: Agent,
+    *,
+    seed: int | None = None,
+    options: Mapping[str, Any] | None = None,
+    episode_id: EpisodeId | None = None,
+    max_steps: int = 10_000,
+) -> EpisodeResult:
+    """Reset ``env`` (with ``seed`` / ``options``, e.g. ``{"task_id": ...}``) and let ``agent`` act until
+    the episode terminates or is truncated. ``max_steps`` is a safety net on top of the env's own limit."""
+    if max_steps < 1:
+        raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+    eid: EpisodeId = next(_episode_counter) if episode_id is None else episode_id
+    start = time.perf_counter()
+    obs, info = env.reset(seed=seed, options=dict(options) if options is not None else None)
+    first_obs, turns = obs, []
+    total, terminated, truncated = 0.0, False, False
+    while not (terminated or truncated):
+        if len(turns) >= max_steps:
+            truncated = True
+            info = {**info, "error": f"play_episode stopped after max_steps={max_steps}"}
+            break
+        (action,) = agent.act([obs], [info], [eid])
+        obs, reward, terminated, truncated, info = env.step(action)
+        total += float(reward)
+        turns.append(Turn(action, obs, float(reward), bool(info.get("action_valid", True))))
+    record = agent.end_episode(eid)
+    return EpisodeResult(
+        task_id=str(info.get("task_id", "")),
+        initial_observation=first_obs,
+        turns=turns,
+        reward=total,
+        won=bool(info.get("won", False)),
+        terminated=terminated,
+        truncated=truncated,
+        final_info=dict(info),
+        record=record,
+        seconds=time.perf_counter() - start,
+    )
