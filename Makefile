@@ -1,0 +1,32 @@
+# Two entry points for a fresh machine (see README.md):
+#   make demo   create .venv, install streamrl, run the demo
+#   make test   create .venv, install streamrl with every extra, lint, type-check and run the tests
+VENV ?= .venv
+PY := $(VENV)/bin/python
+EXTRAS_TEST := alfworld,vllm,dev,models
+
+.PHONY: demo test install install-test lint typecheck pytest clean
+
+install:
+	scripts/install.sh
+
+install-test:
+	scripts/install.sh $(EXTRAS_TEST)
+
+demo: install
+	$(VENV)/bin/streamrl demo
+
+lint:
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck:
+	$(VENV)/bin/mypy envs agents algorithms evaluation
+
+pytest:
+	scripts/pytest.sh
+
+test: install-test lint typecheck pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
