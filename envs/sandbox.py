@@ -1,0 +1,779 @@
+"""A sandbox for model-written Python: a pool of fork servers ("zygotes"), one fresh process per call.
+
+Why a fork server: a fresh ``python -c`` per call costs ~13 ms, and ~470 ms when the snippet imports sympy;
+a zygote that pre-imports math/fractions/sympy/numpy once and ``fork``s a child per call answers in a few
+milliseconds with the same per-call isolation (reference/platform.md §5; SimpleTIR and ToRL run each
+snippet in a fresh, resource-limited process too, behind SandboxFusion).
+
+Each zygote is *spawned* (``subprocess.Popen`` of a new interpreter with ``-I`` and a scrubbed
+environment), never forked from the caller, so a process that holds torch, CUDA or threads is never
+forked. Per call, the zygote forks a child that, before running the code:
+
+* becomes PID 1 of a new PID namespace (root only): when it exits or is killed, the kernel kills every
+  process it started, even ones that called ``setsid`` -- fork bombs and daemons cannot outlive the call.
+  Without the privilege the child leads its own session and process group, which ``killpg`` clears, and
+  the zygote (a child subreaper) kills whatever was re-parented to it;
+* enters a new network namespace (only a down loopback is left), via ``unshare(CLONE_NEWNET)`` as root or
+  ``unshare(CLONE_NEWUSER | CLONE_NEWNET)`` where unprivileged user namespaces are enabled; where neither
+  is permitted the call runs with the host network and :attr:`SandboxPool.isolation` says so;
+* works in a private temporary directory (removed after the call), stdin from ``/dev/null``, no inherited
+  file descriptors, an environment holding only ``PATH``, ``HOME``, ``TMPDIR`` and ``LANG``;
+* sets rlimits on CPU time, address space, open files, file size, process count and core dumps;
+* as root, drops to an unprivileged uid/gid (``nobody`` by default), because ``RLIMIT_NPROC`` is not
+  enforced for root and the zygote and its parent must not be signalable or writable by the code;
+* sets ``PR_SET_NO_NEW_PRIVS`` so no set-uid binary can regain privileges.
+
+The zygote enforces a wall-clock timeout (SIGKILL of the child and its group) and keeps the head and the
+tail of the output. A zygote that dies is replaced transparently; :meth:`SandboxPool.close` (also run at
+interpreter exit) leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import json
+import os
+import queue
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+ToolStatus = Literal["ok", "error", "timeout", "killed"]
+
+_HEADER = struct.Struct(">I")  # length prefix of a JSON message between the pool and a zygote
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWPID = 0x20000000
+_CLONE_NEWNET = 0x40000000
+_PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_CHILD_SUBREAPER = 36
+_CLONE_NEWNS = 0x00020000
+_MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    """Limits and pool settings of the Python tool sandbox.
+
+    Defaults follow reference/platform.md §5 (measured on a 2-core box) and SimpleTIR's firejail profile
+    (``rlimit as 512M, cpu 3, nproc 50``), loosened where numpy/sympy work needs room.
+    """
+
+    timeout_s: float = 5.0
+    """Wall-clock limit of one call in seconds (> 0). The child and everything it started are SIGKILLed."""
+    cpu_time_s: int = 5
+    """RLIMIT_CPU of the child in seconds (>= 1); exceeding it is reported as a timeout."""
+    memory_mb: int = 1024
+    """RLIMIT_AS (virtual address space) of the child in MiB (>= 256; the preloaded zygote alone maps
+    ~180 MiB). Allocations beyond it raise ``MemoryError`` inside the snippet."""
+    max_file_mb: int = 16
+    """RLIMIT_FSIZE in MiB: the largest file the code may write."""
+    max_open_files: int = 64
+    """RLIMIT_NOFILE: descriptors the code may hold (>= 16)."""
+    max_processes: int = 64
+    """RLIMIT_NPROC of the sandbox uid (processes + threads of that uid across all sandboxes, >= 1).
+    Enforced only when the child runs as a non-root uid (see ``sandbox_uid``)."""
+    max_output_chars: int = 16_384
+    """Captured output kept per call: the first and last ``max_output_chars // 2`` characters, with a
+    marker saying how much was cut in between."""
+    max_code_chars: int = 200_000
+    """Longest snippet accepted; longer ones are rejected without running."""
+    pool_size: int = 2
+    """Zygotes in a pool = calls that can run at once (>= 1)."""
+    preload: tuple[str, ...] = ("math", "fractions", "sympy", "numpy")
+    """Modules the zygote imports once so calls do not pay for them."""
+    sandbox_uid: int = 65534
+    """Uid (and gid) the child switches to when the zygote runs as root (65534 = ``nobody``)."""
+    isolate_network: bool = True
+    """Run each call in a new network namespace where the kernel permits it."""
+    isolate_pids: bool = True
+    """Run each call as PID 1 of a new PID namespace where permitted (root), so nothing it starts survives."""
+    start_timeout_s: float = 60.0
+    """How long a zygote may take to start and preload before it is reported as failed."""
+
+    def __post_init__(self) -> None:
+        checks: list[tuple[str, bool, str]] = [
+            ("timeout_s", self.timeout_s > 0, "> 0"),
+            ("cpu_time_s", self.cpu_time_s >= 1, ">= 1"),
+            ("memory_mb", self.memory_mb >= 256, ">= 256"),
+            ("max_file_mb", self.max_file_mb >= 1, ">= 1"),
+            ("max_open_files", self.max_open_files >= 16, ">= 16"),
+            ("max_processes", self.max_processes >= 1, ">= 1"),
+            ("max_output_chars", self.max_output_chars >= 64, ">= 64"),
+            ("max_code_chars", self.max_code_chars >= 1, ">= 1"),
+            ("pool_size", self.pool_size >= 1, ">= 1"),
+            ("sandbox_uid", self.sandbox_uid > 0, "> 0 (a non-root uid)"),
+            ("start_timeout_s", self.start_timeout_s > 0, "> 0"),
+        ]
+        for name, ok, valid in checks:
+            if not ok:
+                raise ValueError(
+                    f"SandboxConfig.{name}={getattr(self, name)!r} is invalid; it must be {valid}"
+                )
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """Outcome of one sandboxed call.
+
+    ``status`` is ``"ok"`` (exit code 0), ``"error"`` (an exception, a non-zero exit, a rejected snippet),
+    ``"timeout"`` (wall-clock or CPU limit) or ``"killed"`` (ended by a signal, e.g. a segfault from runaway
+    recursion, or the sandbox process died). ``output`` is stdout and stderr interleaved, truncated
+    head+tail; for errors it ends with the traceback or a line saying what happened.
+    """
+
+    status: ToolStatus
+    output: str
+    seconds: float
+    returncode: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def truncate_middle(text: str, limit: int) -> str:
+    """Keep the first and last ``limit // 2`` characters of ``text`` and say how many were cut between.
+
+    ToRL/SimpleTIR feed back a bounded tool output; head+tail keeps both the first lines and the final
+    result/traceback line, which is what a model needs.
+    """
+    if limit < 2:
+        raise ValueError(f"limit must be >= 2, got {limit}")
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}\n... [{len(text) - 2 * half} characters truncated] ...\n{text[len(text) - half :]}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Zygote side: runs in the spawned interpreter (stdlib only + the preloaded modules).
+# --------------------------------------------------------------------------------------------------
+
+
+def _send(fd: int, message: dict[str, Any]) -> None:
+    data = json.dumps(message).encode()
+    view = memoryview(_HEADER.pack(len(data)) + data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _read_exact(fd: int, n: int, deadline: float | None) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError("no reply from the sandbox zygote in time")
+        chunk = os.read(fd, n - got)
+        if not chunk:
+            raise EOFError("sandbox zygote pipe closed")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _recv(fd: int, deadline: float | None = None) -> dict[str, Any]:
+    (size,) = _HEADER.unpack(_read_exact(fd, _HEADER.size, deadline))
+    message: dict[str, Any] = json.loads(_read_exact(fd, size, deadline))
+    return message
+
+
+class _Zygote:
+    """The fork server's state; one instance lives in each spawned zygote process."""
+
+    def __init__(self, config: SandboxConfig, req_fd: int, resp_fd: int) -> None:
+        self.config = config
+        self.req_fd, self.resp_fd = req_fd, resp_fd
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.is_root = os.geteuid() == 0
+        self.private_fs = self.is_root and self._private_mounts()
+        self.drop_uid = self.is_root and self._probe_uid_drop()
+        self.base_dir = tempfile.mkdtemp(prefix="streamrl-sandbox-")
+        self.own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY)
+        self.pid_ns = config.isolate_pids and self._probe_pid_namespace()
+        if not self.pid_ns:
+            # Orphans of a call are re-parented to us, so we can find and kill them after the call.
+            self.libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        self.net_ns: bool | None = None  # learnt from the first child (it is the one that unshares)
+
+    def _mount(self, source: str | None, target: str, fstype: str | None, flags: int, data: str = "") -> None:
+        def enc(value: str | None) -> bytes | None:
+            return value.encode() if value else None
+
+        if self.libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
+
+    def _private_mounts(self) -> bool:
+        """Give the zygote (and so every call) its own mount namespace (root only):
+
+        * ``/tmp``, ``/var/tmp`` and ``/dev/shm`` become private tmpfs mounts, so the world-writable places
+          are empty, per-zygote and gone with it (work directories live in the new ``/tmp``);
+        * directories the sandbox uid cannot traverse on the way to the interpreter (e.g. a pyenv Python
+          under a ``0700`` ``/root``) are covered by a tmpfs holding bind mounts of just the interpreter's
+          trees, so the unprivileged child can import the standard library and site-packages while the
+          rest of that directory (keys, credentials) stays invisible.
+        """
+        import stat
+
+        if self.libc.unshare(_CLONE_NEWNS) != 0:
+            return False
+        try:
+            self._mount(None, "/", None, _MS_REC | _MS_PRIVATE)
+            needed = sorted(
+                {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, *sys.path) if os.path.isdir(p)}
+            )
+            outermost = [p for p in needed if not any(p != q and p.startswith(q + os.sep) for q in needed)]
+            by_blocker: dict[str, list[str]] = {}
+            for path in outermost:
+                parts = path.split(os.sep)
+                for i in range(2, len(parts) + 1):
+                    prefix = os.sep.join(parts[:i])
+                    if not os.stat(prefix).st_mode & stat.S_IXOTH:
+                        by_blocker.setdefault(prefix, []).append(path)
+                        break
+            for blocker, paths in by_blocker.items():
+                fds = {path: os.open(path, os.O_PATH) for path in paths}
+                self._mount("tmpfs", blocker, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=1m")
+                for path, fd in fds.items():
+                    os.makedirs(path, exist_ok=True)
+                    self._mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC)
+                    os.close(fd)
+            for scratch in ("/tmp", "/var/tmp", "/dev/shm"):
+                if os.path.isdir(scratch):
+                    self._mount("tmpfs", scratch, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=1777,size=256m")
+        except OSError:
+            return False
+        return True
+
+    def _probe_uid_drop(self) -> bool:
+        """Can a child running as the sandbox uid still import from the standard library?"""
+        probe = os.path.join(os.path.dirname(os.__file__), "traceback.py")
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setgroups([])
+                os.setgid(self.config.sandbox_uid)
+                os.setuid(self.config.sandbox_uid)
+                with open(probe, "rb"):
+                    os._exit(0)
+            except BaseException:
+                os._exit(1)
+        _, status = os.waitpid(pid, 0)
+        return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+    def _probe_pid_namespace(self) -> bool:
+        if self.libc.unshare(_CLONE_NEWPID) != 0:
+            return False
+        return self.libc.setns(self.own_pid_ns, _CLONE_NEWPID) == 0
+
+    # ---- child -----------------------------------------------------------------------------------
+    def _child(self, code: str, out_fd: int, workdir: str, status_fd: int) -> None:
+        """Runs in the forked child; never returns."""
+        rc = 1
+        try:
+            os.setsid()
+            net_ok = False
+            if self.config.isolate_network:
+                flags = _CLONE_NEWNET if self.is_root else _CLONE_NEWUSER | _CLONE_NEWNET
+                net_ok = self.libc.unshare(flags) == 0
+            os.write(status_fd, b"1" if net_ok else b"0")
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.dup2(out_fd, 1)
+            os.dup2(out_fd, 2)
+            os.closerange(3, 1 << 16)
+            os.chdir(workdir)
+            self._set_limits()
+            if self.drop_uid:
+                uid = self.config.sandbox_uid
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+            self.libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+            os.environ.clear()
+            os.environ.update(
+                {
+                    "PATH": "/usr/local/bin:/usr/bin:/bin",
+                    "HOME": workdir,
+                    "TMPDIR": workdir,
+                    "LANG": "C.UTF-8",
+                }
+            )
+            tempfile.tempdir = workdir
+            rc = _exec_snippet(code)
+        except BaseException as e:  # a setup failure must not fall through into the zygote's loop
+            with contextlib.suppress(BaseException):
+                os.write(2, f"sandbox setup failed: {e!r}\n".encode())
+        os._exit(rc)
+
+    def _set_limits(self) -> None:
+        import resource
+
+        c = self.config
+        mib = 1 << 20
+        for limit, value in (
+            (resource.RLIMIT_CPU, (c.cpu_time_s, c.cpu_time_s + 1)),
+            (resource.RLIMIT_AS, (c.memory_mb * mib, c.memory_mb * mib)),
+            (resource.RLIMIT_FSIZE, (c.max_file_mb * mib, c.max_file_mb * mib)),
+            (resource.RLIMIT_NOFILE, (c.max_open_files, c.max_open_files)),
+            (resource.RLIMIT_NPROC, (c.max_processes, c.max_processes)),
+            (resource.RLIMIT_CORE, (0, 0)),
+        ):
+            resource.setrlimit(limit, value)
+
+    # ---- one call --------------------------------------------------------------------------------
+    def run(self, code: str, timeout: float) -> dict[str, Any]:
+        start = time.monotonic()
+        workdir = tempfile.mkdtemp(dir=self.base_dir)
+        if self.drop_uid:
+            os.chown(workdir, self.config.sandbox_uid, self.config.sandbox_uid)
+        out_r, out_w = os.pipe()
+        st_r, st_w = os.pipe()
+        in_pid_ns = self.pid_ns and self.libc.unshare(_CLONE_NEWPID) == 0
+        pid = os.fork()
+        if pid == 0:
+            os.close(out_r)
+            os.close(st_r)
+            self._child(code, out_w, workdir, st_w)
+        if in_pid_ns:
+            # Later forks (the next call) must not land in this call's namespace.
+            self.libc.setns(self.own_pid_ns, _CLONE_NEWPID)
+        os.close(out_w)
+        os.close(st_w)
+        head, tail, total, timed_out = self._collect(out_r, start + timeout)
+        if timed_out:
+            self._kill(pid)
+        _, wait_status = os.waitpid(pid, 0)
+        if not in_pid_ns:
+            self._kill_strays(pid)
+        os.close(out_r)
+        net = os.read(st_r, 1)
+        os.close(st_r)
+        if net:
+            self.net_ns = net == b"1"
+        shutil.rmtree(workdir, ignore_errors=True)
+        return self._result(head, tail, total, timed_out, timeout, wait_status, time.monotonic() - start)
+
+    def _collect(self, fd: int, deadline: float) -> tuple[bytearray, bytearray, int, bool]:
+        """Read the child's output until EOF or the deadline, keeping a head and a tail of it."""
+        keep = 2 * self.config.max_output_chars  # bytes; a UTF-8 character is at most 4, cut later
+        head, tail, total = bytearray(), bytearray(), 0
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return head, tail, total, True
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return head, tail, total, False
+            total += len(chunk)
+            room = keep - len(head)
+            if room > 0:
+                head += chunk[:room]
+                chunk = chunk[room:]
+            if chunk:
+                tail += chunk
+                if len(tail) > keep:
+                    del tail[: len(tail) - keep]
+
+    def _kill(self, pid: int) -> None:
+        for kill in (os.kill, os.killpg):  # PID 1 of a namespace takes the namespace with it
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                kill(pid, signal.SIGKILL)
+
+    def _kill_strays(self, pid: int) -> None:
+        """Without a PID namespace: kill the call's process group and any orphan re-parented to us."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        me = os.getpid()
+        for _ in range(100):  # each round kills the orphans of the previous one
+            strays = []
+            for entry in os.listdir("/proc"):
+                if not entry.isdigit():
+                    continue
+                try:
+                    with open(f"/proc/{entry}/stat", "rb") as f:
+                        stat = f.read()
+                except OSError:
+                    continue
+                if int(stat[stat.rindex(b")") + 2 :].split()[1]) == me:
+                    strays.append(int(entry))
+            if not strays:
+                return
+            for stray in strays:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(stray, signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(stray, 0)
+
+    def _result(
+        self,
+        head: bytearray,
+        tail: bytearray,
+        total: int,
+        timed_out: bool,
+        timeout: float,
+        wait_status: int,
+        seconds: float,
+    ) -> dict[str, Any]:
+        keep = 2 * self.config.max_output_chars
+        raw = bytes(head) if total <= keep else bytes(head) + b"\x00CUT\x00" + bytes(tail)
+        text = raw.decode("utf-8", errors="replace")
+        if total > keep:
+            first, last = text.split("\x00CUT\x00", 1)
+            text = first + "\n...\n" + last
+        text = truncate_middle(text, self.config.max_output_chars)
+        returncode: int | None = None
+        if timed_out:
+            status, note = "timeout", f"TimeoutError: wall-clock limit of {timeout:g}s exceeded"
+        elif os.WIFSIGNALED(wait_status):
+            sig = os.WTERMSIG(wait_status)
+            returncode = -sig
+            if sig == signal.SIGXCPU:
+                status, note = (
+                    "timeout",
+                    f"TimeoutError: CPU time limit of {self.config.cpu_time_s}s exceeded",
+                )
+            else:
+                status, note = "killed", f"Killed: process ended by signal {_signal_name(sig)}"
+                if sig == signal.SIGSEGV:
+                    note += " (segmentation fault, e.g. from too deep recursion)"
+        else:
+            returncode = os.WEXITSTATUS(wait_status)
+            status = "ok" if returncode == 0 else "error"
+            note = "" if returncode == 0 else f"Exited with code {returncode}"
+            if returncode != 0 and text.strip():
+                note = ""  # the traceback (or the code's own message) already says what happened
+        if note:
+            text = f"{text.rstrip()}\n{note}" if text.strip() else note
+        return {"status": status, "output": text, "seconds": seconds, "returncode": returncode}
+
+    def serve(self) -> None:
+        _send(
+            self.resp_fd,
+            {
+                "ready": True,
+                "pid": os.getpid(),
+                "pid_namespace": self.pid_ns,
+                "private_filesystem": self.private_fs,
+                "sandbox_uid": self.config.sandbox_uid if self.drop_uid else os.geteuid(),
+            },
+        )
+        try:
+            while True:
+                try:
+                    request = _recv(self.req_fd)
+                except EOFError:  # the pool (or its process) is gone
+                    return
+                if request.get("shutdown"):
+                    return
+                reply = self.run(request["code"], float(request["timeout"]))
+                reply["network_namespace"] = self.net_ns
+                _send(self.resp_fd, reply)
+        finally:
+            shutil.rmtree(self.base_dir, ignore_errors=True)
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return str(sig)
+
+
+def _exec_snippet(code: str) -> int:
+    """Run ``code`` as ``__main__`` in the (already confined) child; return the exit code."""
+    import builtins
+    import io
+    import traceback
+
+    out = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace")
+    out.reconfigure(write_through=True)
+    sys.stdout = sys.stderr = out
+    rc = 0
+    try:
+        compiled = compile(code, "<tool>", "exec")
+        exec(compiled, {"__name__": "__main__", "__builtins__": builtins})
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            rc = e.code or 0
+        else:
+            print(e.code)
+            rc = 1
+    except BaseException as e:
+        tb = e.__traceback__
+        # Drop our own exec frame so the traceback shows only the snippet's lines.
+        if tb is not None and tb.tb_frame.f_code is _exec_snippet.__code__:
+            tb = tb.tb_next
+        with contextlib.suppress(BaseException):
+            traceback.print_exception(type(e), e, tb)
+        rc = 1
+    with contextlib.suppress(BaseException):
+        out.flush()
+    return rc
+
+
+def _zygote_main() -> None:
+    """Entry point of a spawned zygote; ``argv[1]`` is the config as JSON.
+
+    The zygote exits when its request pipe closes, i.e. when the pool closes or its process dies.
+    (Not PR_SET_PDEATHSIG: that fires when the *thread* that spawned the zygote exits.)
+    """
+    config_dict = json.loads(sys.argv[1])
+    config_dict["preload"] = tuple(config_dict["preload"])
+    config = SandboxConfig(**config_dict)
+    # Protocol on private descriptors; 0/1 point at /dev/null so stray prints cannot corrupt it.
+    req_fd, resp_fd = os.dup(0), os.dup(1)
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    for name in config.preload:
+        __import__(name)
+    _Zygote(config, req_fd, resp_fd).serve()
+
+
+# --------------------------------------------------------------------------------------------------
+# Pool side: runs in the caller's process.
+# --------------------------------------------------------------------------------------------------
+
+_BOOTSTRAP = (
+    "import importlib.util, sys\n"
+    "spec = importlib.util.spec_from_file_location('_streamrl_sandbox_zygote', sys.argv.pop(1))\n"
+    "module = importlib.util.module_from_spec(spec)\n"
+    "sys.modules[spec.name] = module\n"
+    "spec.loader.exec_module(module)\n"
+    "module._zygote_main()\n"
+)
+
+_ZYGOTE_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    # One thread per BLAS/OpenMP pool: forked children must not inherit thread pools, and RLIMIT_NPROC
+    # counts threads.
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+
+
+class _ZygoteHandle:
+    """The pool's end of one zygote process: start, call, restart, stop."""
+
+    def __init__(self, config: SandboxConfig) -> None:
+        self.config = config
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.info: dict[str, Any] = {}
+
+    def start(self) -> None:
+        args = [sys.executable, "-I", "-c", _BOOTSTRAP, os.path.abspath(__file__)]
+        args.append(json.dumps(asdict(self.config)))
+        # A scrubbed environment: nothing of the caller's (tokens, keys) reaches the zygote or the code.
+        self.proc = subprocess.Popen(
+            args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=dict(_ZYGOTE_ENV),
+            cwd="/",
+            start_new_session=True,
+        )
+        assert self.proc.stdout is not None
+        try:
+            self.info = _recv(self.proc.stdout.fileno(), time.monotonic() + self.config.start_timeout_s)
+        except (TimeoutError, EOFError) as e:
+            self.stop()
+            raise RuntimeError(
+                f"the sandbox zygote failed to start within {self.config.start_timeout_s}s "
+                f"(preload={self.config.preload!r}): {e}"
+            ) from e
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def call(self, code: str, timeout: float) -> ToolResult:
+        if not self.alive:
+            self.stop()
+            self.start()
+        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
+        start = time.monotonic()
+        try:
+            _send(self.proc.stdin.fileno(), {"code": code, "timeout": timeout})
+            # The zygote enforces `timeout`; the margin covers fork, cleanup and a loaded machine.
+            reply = _recv(self.proc.stdout.fileno(), start + timeout + 10.0)
+        except (OSError, EOFError, TimeoutError) as e:
+            self.stop()  # a fresh zygote is started by the next call
+            return ToolResult(
+                "killed", f"Killed: the sandbox process died during the call ({e})", time.monotonic() - start
+            )
+        if reply.get("network_namespace") is not None:
+            self.info["network_namespace"] = reply["network_namespace"]
+        return ToolResult(reply["status"], reply["output"], reply["seconds"], reply["returncode"])
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with contextlib.suppress(OSError, ValueError):
+                assert proc.stdin is not None
+                _send(proc.stdin.fileno(), {"shutdown": True})
+            try:
+                proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                # Its session holds any call child still running (without a PID namespace).
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.kill()
+                proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+
+
+_LIVE_POOLS: weakref.WeakSet[SandboxPool] = weakref.WeakSet()
+
+
+class SandboxPool:
+    """A pool of zygotes that runs Python snippets; safe to call from many threads at once.
+
+    Zygotes start lazily (the first call that needs one pays ~0.5 s of preloading). A call blocks until
+    a zygote is free. Use as a context manager or call :meth:`close`; pools still open at interpreter exit
+    are closed by an ``atexit`` hook.
+    """
+
+    def __init__(self, config: SandboxConfig | None = None) -> None:
+        self.config = config or SandboxConfig()
+        self._idle: queue.LifoQueue[_ZygoteHandle] = queue.LifoQueue()
+        for _ in range(self.config.pool_size):
+            self._idle.put(_ZygoteHandle(self.config))
+        self._handles = list(self._idle.queue)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._owner_pid = os.getpid()
+        _LIVE_POOLS.add(self)
+
+    def run(self, code: str, timeout: float | None = None) -> ToolResult:
+        """Execute ``code`` in a fresh confined process and return what it printed.
+
+        ``timeout`` (seconds) overrides :attr:`SandboxConfig.timeout_s` for this call.
+        """
+        if not isinstance(code, str):
+            raise TypeError(f"code must be a str, got {type(code).__name__}")
+        limit = self.config.timeout_s if timeout is None else float(timeout)
+        if not limit > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        if len(code) > self.config.max_code_chars:
+            return ToolResult(
+                "error",
+                f"ValueError: code is {len(code)} characters long; the sandbox accepts at most "
+                f"{self.config.max_code_chars}",
+                0.0,
+            )
+        if self._closed:
+            raise RuntimeError("this SandboxPool is closed; create a new one")
+        if os.getpid() != self._owner_pid:
+            raise RuntimeError("a SandboxPool cannot be used from a forked child; create one in this process")
+        handle = self._idle.get()
+        try:
+            if self._closed:
+                raise RuntimeError("this SandboxPool was closed while the call waited for a zygote")
+            return handle.call(code, limit)
+        finally:
+            self._idle.put(handle)
+
+    @property
+    def isolation(self) -> dict[str, Any]:
+        """What the kernel granted, as seen by a started zygote (starts one if none is running):
+        ``pid_namespace``, ``network_namespace`` (``None`` until the first call), ``private_filesystem``
+        (private ``/tmp`` etc.) and ``sandbox_uid`` (the uid the code runs as)."""
+        handle = self._idle.get()
+        try:
+            if not handle.alive:
+                handle.start()
+            keys = ("pid_namespace", "network_namespace", "private_filesystem", "sandbox_uid")
+            return {k: handle.info.get(k) for k in keys}
+        finally:
+            self._idle.put(handle)
+
+    def zygote_pids(self) -> list[int]:
+        """Process ids of the running zygotes (for monitoring and tests)."""
+        return [h.proc.pid for h in self._handles if h.proc is not None and h.alive]
+
+    def close(self) -> None:
+        """Stop every zygote (waiting for calls in flight). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if os.getpid() != self._owner_pid:
+            return  # the zygotes belong to the parent process
+        for _ in range(len(self._handles)):
+            self._idle.get().stop()
+        for handle in self._handles:
+            self._idle.put(handle)  # wake any caller blocked in get(); it will see _closed
+
+    def __enter__(self) -> SandboxPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@atexit.register
+def _close_live_pools() -> None:
+    for pool in list(_LIVE_POOLS):
+        pool.close()
+
+
+# One pool per process and config, shared by every env in the process and reference counted.
+_shared: dict[SandboxConfig, tuple[SandboxPool, int]] = {}
+_shared_lock = threading.Lock()
+
+
+def acquire_shared_pool(config: SandboxConfig | None = None) -> SandboxPool:
+    """The process-wide pool for ``config`` (created on first use); pair with :func:`release_shared_pool`."""
+    config = config or SandboxConfig()
+    with _shared_lock:
+        pool, refs = _shared.get(config, (None, 0))
+        if pool is None or pool._closed or pool._owner_pid != os.getpid():
+            pool, refs = SandboxPool(config), 0
+        _shared[config] = (pool, refs + 1)
+        return pool
+
+
+def release_shared_pool(pool: SandboxPool) -> None:
+    """Drop one reference to a shared pool; the last one closes it (no sandbox process is left)."""
+    with _shared_lock:
+        entry = _shared.get(pool.config)
+        if entry is None or entry[0] is not pool:
+            return
+        refs = entry[1] - 1
+        if refs > 0:
+            _shared[pool.config] = (pool, refs)
+            return
+        del _shared[pool.config]
+    pool.close()
+
+
+__all__ = [
+    "SandboxConfig",
+    "SandboxPool",
+    "ToolResult",
+    "ToolStatus",
+    "acquire_shared_pool",
+    "release_shared_pool",
+    "truncate_middle",
+]
