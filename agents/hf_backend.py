@@ -1,0 +1,392 @@
+"""The embedded generation backend: Hugging Face transformers, token ids in, token ids and log-probs out.
+
+``HFBackend`` implements ``streamrl.agents.base.GenerationBackend`` with its own decoding loop over the
+model's KV cache rather than ``model.generate``, because RL needs things ``generate`` does not give directly:
+
+- the log-prob of every sampled token **under the distribution it was actually sampled from** -- softmax of
+  ``logits / temperature`` restricted to the top-k / top-p set and renormalized (vLLM's
+  ``logprobs_mode="processed_logprobs"``). With the SPO++ rollout setting (temperature 1, top-p 1, top-k off)
+  this is exactly the model's log-prob, which ``score`` recomputes. Greedy decoding (temperature 0) reports the
+  model's temperature-1 log-prob of the argmax token.
+- per-request seeds that do not depend on the batch: row ``i`` of a call samples with its own generator seeded
+  ``seed + i`` (Gumbel-style ``argmax(p / Exp(1))``, as vLLM does for seeded requests), so a prompt's sample
+  is reproducible whatever else shares its batch.
+- stop strings checked on the decoded tail of each row; the token that completes a stop string is kept (a
+  token cannot be cut), ``Generation.extra["stop"]`` names what stopped it.
+
+Batches are left-padded with explicit position ids ``cumsum(attention_mask) - 1`` (platform.md 1.2), and rows
+that finish leave the batch (their KV-cache rows are dropped). LoRA adapters saved by peft are loaded by
+version with ``set_adapter``; ``set_adapter(None, v)`` serves the base weights without unloading.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from streamrl.agents.base import Generation, SamplingParams
+from streamrl.agents.models import load_tokenizer, resolve_model
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class HFBackendConfig:
+    """Where and how the model runs."""
+
+    device: str = "auto"
+    """"auto" = "cuda" when available, else "cpu"; or any torch device string."""
+    dtype: str = "auto"
+    """"auto" = bfloat16 on a GPU that supports it, float32 otherwise; or "float32" / "bfloat16" / "float16"."""
+    max_batch_size: int = 32
+    """Prompts per forward pass; longer calls are split into chunks."""
+    seed: int = 0
+    """Seeds the backend's own generator, used for calls whose ``SamplingParams.seed`` is ``None``."""
+    num_threads: int | None = None
+    """If set, ``torch.set_num_threads`` at construction (1 is best on a shared CPU box, platform.md 1.4)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        device = self.torch_device()
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip padding (left or right): ``cumsum(mask) - 1``, clamped at 0 on pad slots."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``out[b, t] = log p(input_ids[b, t+1] | input_ids[b, :t+1])`` in fp32, shape ``[B, T-1]``.
+
+    Works for left or right padding (positions from the mask); values on pad positions are meaningless and
+    must be masked by the caller. Differentiable: the learner calls it with grad, ``score`` without.
+    """
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+    )
+    logits = out.logits[:, :-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+
+
+def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probs of the distribution ``params`` samples from, one row per sequence (``-inf`` = filtered out).
+
+    Temperature scaling, then top-k, then top-p (nucleus: the smallest set of most likely tokens whose
+    probability reaches ``top_p``), then renormalization -- the order of vLLM and HF's logits processors.
+    Greedy (temperature 0) returns the unscaled log-softmax.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.log_softmax(logits, dim=-1)
+    scaled = logits / params.temperature
+    if params.top_k and params.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, params.top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the tokens strictly before it already reach top_p (the first one always stays)
+        drop_sorted = (probs.cumsum(-1) - probs) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(scaled, dim=-1)
+
+
+class HFBackend:
+    """Generation and scoring with a transformers causal LM; LoRA adapters by version (see module doc)."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | Any,
+        *,
+        tokenizer: Any = None,
+        config: HFBackendConfig | None = None,
+    ) -> None:
+        """``model``: a registry name (``"tiny"``, ``"smollm2-135m"``), a local HF directory, or an already
+        loaded ``PreTrainedModel`` / ``PeftModel`` (then ``tokenizer`` is required and the model is used as is)."""
+        self.config = config or HFBackendConfig()
+        if self.config.num_threads is not None:
+            torch.set_num_threads(self.config.num_threads)
+        self.device = self.config.torch_device()
+        self.dtype = self.config.torch_dtype()
+        if isinstance(model, (str, os.PathLike)):
+            from transformers import AutoModelForCausalLM
+
+            path = resolve_model(model)
+            self.model_path: str | None = str(path)
+            self._model = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype).to(self.device)  # type: ignore[arg-type]
+            self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
+        else:
+            if tokenizer is None:
+                raise ValueError("HFBackend(model=<loaded model>) needs tokenizer=...")
+            self.model_path = None
+            self._model = model
+            self.tokenizer = tokenizer
+            self.device = next(model.parameters()).device
+        self._model.eval()
+        self._lock = threading.RLock()
+        self._seeds = random.Random(self.config.seed)
+        self._version = 0
+        self._adapter_name: str | None = None
+        self.pad_token_id = int(
+            self.tokenizer.pad_token_id
+            if self.tokenizer.pad_token_id is not None
+            else self.tokenizer.eos_token_id
+        )
+        self.eos_token_ids = self._eos_ids()
+        self.max_positions = int(getattr(self._model.config, "max_position_embeddings", 1 << 30))
+
+    # -- properties -------------------------------------------------------------------------------------
+
+    @property
+    def model(self) -> Any:
+        """The served model (a ``PeftModel`` once an adapter has been loaded)."""
+        return self._model
+
+    @property
+    def adapter_version(self) -> int:
+        return self._version
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        gen_eos = getattr(getattr(self._model, "generation_config", None), "eos_token_id", None)
+        for value in (gen_eos, self.tokenizer.eos_token_id):
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(v) for v in value)
+        return frozenset(ids)
+
+    # -- adapters -----------------------------------------------------------------------------------------
+
+    def set_adapter(self, path: str | os.PathLike[str] | None, version: int) -> None:
+        """Serve the peft adapter saved at ``path`` as ``version`` (``None`` = the base weights)."""
+        if version < 0:
+            raise ValueError(f"adapter version must be >= 0, got {version}")
+        with self._lock:
+            if path is None:
+                self._adapter_name = None
+                self._version = version
+                return
+            from peft import PeftModel
+
+            path = os.fspath(path)
+            if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+                raise FileNotFoundError(f"{path} is not a peft adapter directory (no adapter_config.json)")
+            name = f"v{version}"
+            if isinstance(self._model, PeftModel):
+                if name in self._model.peft_config:  # re-publishing a version replaces it
+                    if self._model.active_adapter == name:
+                        self._model.set_adapter(self._placeholder_adapter(name))
+                    self._model.delete_adapter(name)
+                self._model.load_adapter(path, adapter_name=name, is_trainable=False)
+                self._model.set_adapter(name)
+                for old in [n for n in self._model.peft_config if n != name]:
+                    self._model.delete_adapter(old)
+            else:
+                self._model = PeftModel.from_pretrained(
+                    self._model, path, adapter_name=name, is_trainable=False
+                )
+                self._model.to(self.device)
+            self._model.eval()
+            self._adapter_name = name
+            self._version = version
+
+    def _placeholder_adapter(self, avoid: str) -> str:
+        others = [n for n in self._model.peft_config if n != avoid]
+        if not others:
+            raise RuntimeError("internal: cannot replace the only loaded adapter in place")
+        return others[0]
+
+    @contextmanager
+    def _serving(self) -> Iterator[None]:
+        """Forward passes run under this: the base weights when no adapter is selected."""
+        from peft import PeftModel
+
+        with torch.inference_mode():
+            if isinstance(self._model, PeftModel) and self._adapter_name is None:
+                with self._model.disable_adapter():
+                    yield
+            else:
+                with nullcontext():
+                    yield
+
+    # -- scoring ------------------------------------------------------------------------------------------
+
+    def score(self, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]) -> list[list[float]]:
+        """Log-probs (temperature 1, no filtering) of ``sequences[i][prompt_lengths[i]:]`` given what precedes."""
+        if len(sequences) != len(prompt_lengths):
+            raise ValueError(f"{len(sequences)} sequences but {len(prompt_lengths)} prompt lengths")
+        for i, (seq, p) in enumerate(zip(sequences, prompt_lengths, strict=True)):
+            if not 1 <= p <= len(seq):
+                raise ValueError(f"prompt_lengths[{i}]={p} must be in [1, len(sequence)={len(seq)}]")
+        results: list[list[float]] = []
+        with self._lock, self._serving():
+            for start in range(0, len(sequences), self.config.max_batch_size):
+                chunk = sequences[start : start + self.config.max_batch_size]
+                width = max(len(s) for s in chunk)
+                ids = torch.full((len(chunk), width), self.pad_token_id, dtype=torch.long)
+                mask = torch.zeros((len(chunk), width), dtype=torch.long)
+                for row, seq in enumerate(chunk):  # right padding: pads never precede a real token
+                    ids[row, : len(seq)] = torch.as_tensor(list(seq), dtype=torch.long)
+                    mask[row, : len(seq)] = 1
+                lp = token_logprobs(self._model, ids.to(self.device), mask.to(self.device)).cpu()
+                for row, seq in enumerate(chunk):
+                    p = prompt_lengths[start + row]
+                    results.append(lp[row, p - 1 : len(seq) - 1].tolist())
+        return results
+
+    # -- generation ---------------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        """Complete every prompt; see the module doc for what the log-probs and seeds mean."""
+        if not prompts:
+            return []
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompts[{i}] is empty; a prompt needs at least one token")
+            if len(prompt) >= self.max_positions:
+                raise ValueError(
+                    f"prompts[{i}] has {len(prompt)} tokens; the model's context is {self.max_positions} tokens"
+                )
+        with self._lock:
+            if params.seed is None:
+                seeds = [self._seeds.randrange(1 << 62) for _ in prompts]
+            else:
+                seeds = [params.seed + i for i in range(len(prompts))]
+            out: list[Generation] = []
+            for start in range(0, len(prompts), self.config.max_batch_size):
+                stop = start + self.config.max_batch_size
+                out.extend(self._generate_chunk(prompts[start:stop], seeds[start:stop], params))
+            return out
+
+    def _generate_chunk(
+        self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], params: SamplingParams
+    ) -> list[Generation]:
+        from transformers import DynamicCache
+
+        n = len(prompts)
+        width = max(len(p) for p in prompts)
+        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.as_tensor(list(prompt), dtype=torch.long)
+            mask[row, width - len(prompt) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = position_ids_from_mask(mask)
+        budgets = [min(params.max_new_tokens, self.max_positions - len(p)) for p in prompts]
+        generators = [torch.Generator(device=self.device).manual_seed(s) for s in seeds]
+        stop_ids = self.eos_token_ids | set(params.stop_token_ids)
+        stop_tail = max((len(s.encode()) for s in params.stop_strings), default=0) + 1
+
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[float]] = [[] for _ in range(n)]
+        results: list[Generation | None] = [None] * n
+        active = list(range(n))  # original row of each row still in the batch
+        cache = DynamicCache()
+        with self._serving():
+            logits = self._model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1]
+            last_pos = positions[:, -1]
+            while True:
+                lp = sampling_logprobs(logits, params)
+                if params.greedy:
+                    chosen = lp.argmax(-1)
+                else:
+                    noise = torch.stack(
+                        [
+                            torch.empty(lp.shape[-1], device=lp.device).exponential_(generator=generators[r])
+                            for r in active
+                        ]
+                    )
+                    chosen = (lp.exp() / noise).argmax(-1)
+                chosen_lp = lp.gather(-1, chosen[:, None]).squeeze(-1)
+                keep: list[int] = []
+                for j, row in enumerate(active):
+                    token = int(chosen[j])
+                    tokens[row].append(token)
+                    logprobs[row].append(float(chosen_lp[j]))
+                    reason, what = self._finished(
+                        tokens[row], token, stop_ids, params, stop_tail, budgets[row]
+                    )
+                    if reason is None:
+                        keep.append(j)
+                    else:
+                        results[row] = Generation(
+                            token_ids=tokens[row],
+                            logprobs=logprobs[row],
+                            finish_reason=reason,
+                            adapter_version=self._version,
+                            extra={"stop": what} if what is not None else {},
+                        )
+                if not keep:
+                    break
+                if len(keep) < len(active):
+                    index = torch.as_tensor(keep, device=self.device)
+                    cache.batch_select_indices(index)
+                    mask, last_pos, chosen = mask[index], last_pos[index], chosen[index]
+                    active = [active[j] for j in keep]
+                mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
+                last_pos = last_pos + 1
+                logits = self._model(
+                    input_ids=chosen[:, None],
+                    attention_mask=mask,
+                    position_ids=last_pos[:, None],
+                    past_key_values=cache,
+                    use_cache=True,
+                ).logits[:, -1]
+        return [r for r in results if r is not None]
+
+    def _finished(
+        self,
+        generated: list[int],
+        token: int,
+        stop_ids: set[int] | frozenset[int],
+        params: SamplingParams,
+        stop_tail: int,
+        budget: int,
+    ) -> tuple[str | None, Any]:
+        if token in stop_ids:
+            return "stop", token
+        if params.stop_strings:
+            tail = self.tokenizer.decode(generated[-stop_tail:], skip_special_tokens=False)
+            for s in params.stop_strings:
+                if s in tail:
+                    return "stop", s
+        if len(generated) >= budget:
+            return "length", None
+        return None, None
+
+    def close(self) -> None:
+        """Drop the model (frees its memory once no one else holds a reference)."""
+        with self._lock:
+            self._model = None

@@ -1,0 +1,137 @@
+"""HF backend on the real tiny model: sampling log-probs vs scoring, seeds, stops, greedy oracle, LoRA."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from streamrl.agents.base import GenerationBackend, SamplingParams
+from streamrl.agents.hf_backend import HFBackend, sampling_logprobs, token_logprobs
+from streamrl.agents.lora import LoRAConfig, reference_logprobs, save_adapter, wrap_lora
+from streamrl.agents.models import load_model, resolve_model
+
+
+@pytest.fixture(scope="module")
+def backend() -> HFBackend:
+    return HFBackend("tiny")
+
+
+def _prompts(backend: HFBackend) -> list[list[int]]:
+    tok = backend.tokenizer
+    texts = ["Hi", "You arrive at fridge 1. The fridge 1 is closed.", "What is 12 * 7? Use python."]
+    return [
+        tok.apply_chat_template(
+            [{"role": "user", "content": t}], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+        for t in texts
+    ]
+
+
+def _maxdiff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def test_protocol_and_score_matches_sampled_logprobs(backend: HFBackend) -> None:
+    assert isinstance(backend, GenerationBackend)
+    prompts = _prompts(backend)  # different lengths: left padding and position ids matter
+    gens = backend.generate(prompts, SamplingParams(max_new_tokens=24, seed=7))
+    assert all(len(g.token_ids) == len(g.logprobs) >= 1 for g in gens)
+    scored = backend.score(
+        [p + g.token_ids for p, g in zip(prompts, gens, strict=True)], [len(p) for p in prompts]
+    )
+    for g, s in zip(gens, scored, strict=True):
+        assert len(s) == len(g.token_ids)
+        assert max(abs(a - b) for a, b in zip(g.logprobs, s, strict=True)) < 1e-4
+
+
+def test_seeds_are_reproducible_and_batch_invariant(backend: HFBackend) -> None:
+    prompts = _prompts(backend)
+    params = SamplingParams(max_new_tokens=16, seed=123)
+    a = backend.generate(prompts, params)
+    b = backend.generate(prompts, params)
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]
+    # Row i samples with seed + i whatever shares its batch.
+    alone = backend.generate([prompts[2]], SamplingParams(max_new_tokens=16, seed=125))
+    assert alone[0].token_ids == a[2].token_ids
+    c = backend.generate(prompts, SamplingParams(max_new_tokens=16, seed=124))
+    assert [g.token_ids for g in c] != [g.token_ids for g in a]
+
+
+def test_greedy_matches_transformers_generate(backend: HFBackend) -> None:
+    prompts = _prompts(backend)
+    ours = backend.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0.0))
+    for prompt, gen in zip(prompts, ours, strict=True):
+        ref = backend.model.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=backend.pad_token_id
+        )[0, len(prompt) :].tolist()
+        assert gen.token_ids == ref[: len(gen.token_ids)]
+        assert gen.finish_reason == ("length" if len(gen.token_ids) == 12 else "stop")
+
+
+def test_stop_strings_and_ids(backend: HFBackend) -> None:
+    tok = backend.tokenizer
+    prompts = _prompts(backend)
+    free = backend.generate(prompts, SamplingParams(max_new_tokens=40, seed=1, stop_token_ids=()))
+    text = tok.decode(free[1].token_ids)
+    stop = text[10:12]  # two characters this seeded sample is known to contain
+    stopped = backend.generate(prompts, SamplingParams(max_new_tokens=40, seed=1, stop_strings=(stop,)))[1]
+    assert stopped.finish_reason == "stop" and stopped.extra["stop"] == stop
+    assert stop in tok.decode(stopped.token_ids) and stop not in tok.decode(stopped.token_ids[:-1])
+    assert stopped.token_ids == free[1].token_ids[: len(stopped.token_ids)]
+    first = free[0].token_ids[3]
+    by_id = backend.generate(prompts, SamplingParams(max_new_tokens=40, seed=1, stop_token_ids=(first,)))[0]
+    assert by_id.token_ids[-1] == first and by_id.finish_reason == "stop"
+    assert first not in by_id.token_ids[:-1]
+
+
+def test_sampling_distribution_is_what_logprobs_report() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    lp = sampling_logprobs(logits, SamplingParams(temperature=0.5, top_k=3))
+    expected = torch.log_softmax(logits[0, :3] / 0.5, -1)
+    assert torch.allclose(lp[0, :3], expected) and torch.isinf(lp[0, 3:]).all()
+    probs = torch.softmax(logits[0], -1)  # 0.55, 0.20, 0.12, ...: top-p 0.7 keeps the first two
+    lp = sampling_logprobs(logits, SamplingParams(top_p=0.7))
+    assert torch.isfinite(lp[0, :2]).all() and torch.isinf(lp[0, 2:]).all()
+    assert math.isclose(float(lp[0, 0].exp()), float(probs[0] / probs[:2].sum()), rel_tol=1e-6)
+
+
+def test_lora_roundtrip_reference_and_backend_versions(tmp_path: Path) -> None:
+    from peft import PeftModel
+
+    path = resolve_model("tiny")
+    policy = wrap_lora(load_model(path), LoRAConfig(rank=4, alpha=8))
+    assert all(("lora_" in n) == p.requires_grad for n, p in policy.named_parameters())
+    ids = torch.tensor([[5, 17, 300, 42, 9, 1000, 7], [0, 0, 8, 99, 12, 13, 14]])
+    mask = torch.tensor([[1] * 7, [0, 0, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        base_lp = token_logprobs(policy, ids, mask)
+    assert torch.equal(reference_logprobs(policy, ids, mask), base_lp)  # B = 0 at init: policy == reference
+    with torch.no_grad():  # make the adapter do something
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+        tuned_lp = token_logprobs(policy, ids, mask)
+    assert (tuned_lp - base_lp)[mask[:, 1:].bool()].abs().max() > 1e-3
+    assert torch.equal(reference_logprobs(policy, ids, mask), base_lp)
+    adapter = save_adapter(policy, tmp_path / "v1")
+
+    reloaded = PeftModel.from_pretrained(load_model(path), str(adapter))
+    with torch.no_grad():
+        assert torch.allclose(token_logprobs(reloaded, ids, mask), tuned_lp, atol=1e-5)
+
+    backend = HFBackend(path)
+    seqs, plens = [ids[0].tolist()], [2]
+    assert backend.adapter_version == 0
+    backend.set_adapter(adapter, 1)
+    assert backend.adapter_version == 1
+    assert _maxdiff(backend.score(seqs, plens)[0], tuned_lp[0, 1:].tolist()) < 1e-5
+    gen = backend.generate([ids[0].tolist()], SamplingParams(max_new_tokens=3, seed=0))[0]
+    assert gen.adapter_version == 1
+    backend.set_adapter(adapter, 2)  # republishing as a new version keeps serving it
+    assert _maxdiff(backend.score(seqs, plens)[0], tuned_lp[0, 1:].tolist()) < 1e-5
+    backend.set_adapter(None, 3)  # base weights
+    assert _maxdiff(backend.score(seqs, plens)[0], base_lp[0, 1:].tolist()) < 1e-5
+    with pytest.raises(FileNotFoundError, match=r"adapter_config\.json"):
+        backend.set_adapter(tmp_path, 4)
