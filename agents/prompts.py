@@ -1,0 +1,156 @@
+"""Prompt formats and action parsers, one per env: policy concerns live with the agent, not the env.
+
+A ``PromptFormat`` says what the policy is told (a system prompt; one user message per observation) and how
+its generated text becomes an env action. Parsing never raises: text that cannot be parsed becomes an action
+the env will reject (``ParsedAction.valid`` is False, ``error`` says why), so a bad generation costs a turn,
+not an episode.
+
+- ``ALFWorldPrompt``: the task, the current observation and the admissible commands; the action is one
+  command (the first non-empty line; a leading ``>`` or ``Action:`` is dropped; matched case-insensitively
+  against the admissible commands).
+- ``MathTIRPrompt``: tool-integrated reasoning (ToRL / SimpleTIR protocol): the assistant writes a
+  ```python block whose printed output comes back as a ```output block in the next user message, and ends
+  with the final answer in ``\\boxed{}``. The action is the assistant message itself (the env runs its code
+  or checks its answer); anything the model writes after an opened ```output fence is cut, since that output
+  must come from the tool, not the model.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class ParsedAction:
+    """The env action parsed from generated text; ``valid`` False (with ``error``) when parsing failed."""
+
+    action: str
+    valid: bool
+    error: str | None = None
+
+
+@runtime_checkable
+class PromptFormat(Protocol):
+    """How observations become chat messages and generated text becomes actions."""
+
+    name: str
+    stop_strings: tuple[str, ...]
+
+    def system_prompt(self, first_observation: str, info: Mapping[str, Any]) -> str:
+        """The system message of an episode (fixed for the episode; survives windowing)."""
+        ...
+
+    def user_message(self, observation: str, info: Mapping[str, Any], turn: int) -> str:
+        """The user message for the observation at ``turn`` (0 = the reset observation)."""
+        ...
+
+    def parse_action(self, text: str, info: Mapping[str, Any]) -> ParsedAction:
+        """The env action for generated ``text``; never raises."""
+        ...
+
+
+_TASK_RE = re.compile(r"Your task is to:\s*(.+)")
+
+
+@dataclass(frozen=True)
+class ALFWorldPrompt:
+    """ALFWorld: task + current observation + admissible commands; the action is one command."""
+
+    name: str = "alfworld"
+    stop_strings: tuple[str, ...] = ("\n",)
+    """Stop at the end of the first line: an action is one command."""
+    list_admissible: bool = True
+    """Show ``info["admissible_commands"]`` in every user message (verl-agent's ALFWorld prompt does)."""
+
+    def system_prompt(self, first_observation: str, info: Mapping[str, Any]) -> str:
+        match = _TASK_RE.search(first_observation)
+        task = match.group(1).strip() if match else "see the first observation"
+        return (
+            "You are an agent in a household text game. Reply with exactly one command from the "
+            f"admissible commands, nothing else.\nYour task is to: {task}"
+        )
+
+    def user_message(self, observation: str, info: Mapping[str, Any], turn: int) -> str:
+        text = observation.strip()
+        commands = info.get("admissible_commands") or []
+        if self.list_admissible and commands:
+            text += "\nAdmissible commands: " + ", ".join(str(c) for c in commands)
+        return text
+
+    def parse_action(self, text: str, info: Mapping[str, Any]) -> ParsedAction:
+        line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+        for prefix in (">", "action:", "command:"):
+            if line.lower().startswith(prefix):
+                line = line[len(prefix) :].strip()
+        line = line.rstrip(".").strip()
+        if not line:
+            return ParsedAction("", False, "empty generation: no command")
+        commands = [str(c) for c in info.get("admissible_commands") or []]
+        if not commands:  # nothing to check against: let the env judge
+            return ParsedAction(line, True)
+        by_lower = {c.lower(): c for c in commands}
+        if line.lower() in by_lower:
+            return ParsedAction(by_lower[line.lower()], True)
+        return ParsedAction(line, False, f"{line!r} is not an admissible command")
+
+
+_BOXED_RE = re.compile(r"\\boxed\{")
+_CODE_RE = re.compile(r"```python\n(.*?)```", re.DOTALL)
+
+
+def boxed_answer(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` in ``text`` (braces balanced), or ``None``."""
+    starts = [m.end() for m in _BOXED_RE.finditer(text)]
+    if not starts:
+        return None
+    depth, i = 1, starts[-1]
+    while i < len(text):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[starts[-1] : i]
+        i += 1
+    return None
+
+
+@dataclass(frozen=True)
+class MathTIRPrompt:
+    """Math with a Python tool: ```python blocks are run, their output returns as ```output; final \\boxed{}."""
+
+    name: str = "math_tir"
+    stop_strings: tuple[str, ...] = ("```output",)
+    """The model must not write tool output itself: stop when it opens an output fence."""
+
+    def system_prompt(self, first_observation: str, info: Mapping[str, Any]) -> str:
+        return (
+            "Solve the math problem. You may write Python code in a ```python block; it is run and its printed "
+            "output comes back in a ```output block. Give the final answer as \\boxed{answer}."
+        )
+
+    def user_message(self, observation: str, info: Mapping[str, Any], turn: int) -> str:
+        return observation.strip()
+
+    def parse_action(self, text: str, info: Mapping[str, Any]) -> ParsedAction:
+        cut = text.find("```output")
+        action = (text if cut < 0 else text[:cut]).strip()
+        if _CODE_RE.search(action) or boxed_answer(action) is not None:
+            return ParsedAction(action, True)
+        if not action:
+            return ParsedAction("", False, "empty generation")
+        return ParsedAction(action, False, "neither a ```python block nor a \\boxed{} answer")
+
+
+PROMPT_FORMATS: dict[str, type] = {"alfworld": ALFWorldPrompt, "math_tir": MathTIRPrompt}
+
+
+def prompt_format(name: str) -> PromptFormat:
+    """The prompt format registered as ``name`` (``"alfworld"`` or ``"math_tir"``)."""
+    if name not in PROMPT_FORMATS:
+        raise ValueError(f"unknown prompt format {name!r}; valid: {sorted(PROMPT_FORMATS)}")
+    fmt: PromptFormat = PROMPT_FORMATS[name]()
+    return fmt
