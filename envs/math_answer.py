@@ -1,0 +1,218 @@
+"""Final-answer extraction (the last ``\\boxed{...}``) and mathematical equivalence for Math-TIR rewards.
+
+Checking order (reference/platform.md §4.3): exact match after normalization, then exact rational
+comparison of plain numbers (``0.5`` = ``1/2`` = ``\\frac{1}{2}`` = ``50\\%``), then math-verify
+(Hugging Face; LaTeX, sets, intervals), then sympy with a numeric tolerance. The symbolic stages run in a
+worker thread under a wall-clock bound: math-verify's own timeouts use ``signal.alarm``, which only works
+in the main thread, so they are switched off (``parsing_timeout=None``, ``timeout_seconds=None``) and the
+bound is enforced here instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from fractions import Fraction
+
+__all__ = ["answers_equal", "extract_boxed", "normalize_answer", "parse_number"]
+
+_MAX_SYMBOLIC_CHARS = 300
+# Power towers such as 9^9^9^9 make sympy evaluate astronomically large numbers; such a check cannot be
+# interrupted inside a thread, so answers with more than this many exponent operators stay numeric-only.
+_MAX_POWERS = 2
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces matched.
+
+    Returns ``None`` when there is no box or its braces never close. ``\\boxed 5`` (no braces) gives
+    ``"5"``. Nested braces (``\\boxed{\\frac{1}{2}}``) are kept intact.
+    """
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        bare = re.findall(r"\\boxed\s+([^\s$}]+)", text)
+        return bare[-1] if bare else None
+    open_brace = text.index("{", start)
+    depth = 0
+    for i in range(open_brace, len(text)):
+        ch = text[i]
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return text[open_brace + 1 : i].strip()
+    return None
+
+
+_UNIT_WORDS = (
+    r"(?:dollars?|cents?|euros?|pounds?|hours?|hrs?|minutes?|mins?|seconds?|days?|weeks?|months?|years?(?: old)?"
+    r"|km/h|mph|km|kg|cm|mm|m\^?2|meters?|metres?|miles?|feet|foot|inches|grams?|liters?|litres?|units?"
+    r"|people|students|ways|tiles|tickets|items|pieces|apples|books|cookies|points)"
+)
+
+
+def normalize_answer(answer: str) -> str:
+    """Canonical string form of an answer: no ``$``, ``\\text{}`` units, spaces, thousands separators.
+
+    Adapted from the verl ``math_dapo`` / Qwen2.5-Math normalizers; a shared first step before any
+    numeric or symbolic comparison.
+    """
+    s = answer.strip()
+    s = re.sub(r"\\text\{\s*" + _UNIT_WORDS + r"\s*\}", "", s)
+    s = re.sub(r"\\(?:text|textbf|mathrm|mbox|operatorname)\{([^{}]*)\}", r"\1", s)
+    for old, new in (
+        ("\\left", ""),
+        ("\\right", ""),
+        ("\\!", ""),
+        ("\\,", ""),
+        ("\\;", ""),
+        ("\\ ", ""),
+        ("\\dfrac", "\\frac"),
+        ("\\tfrac", "\\frac"),
+        ("^\\circ", ""),
+        ("^{\\circ}", ""),
+        ("\\$", ""),
+        ("{,}", ","),
+        ("\\%", "%"),
+    ):
+        s = s.replace(old, new)
+    s = s.replace("$", "").strip()
+    s = re.sub(r"\s+" + _UNIT_WORDS + r"\s*$", "", s)
+    s = re.sub(r"^[a-zA-Z]\s*=\s*", "", s)  # "x = 5" -> "5"
+    s = s.rstrip(".").strip()
+    s = re.sub(r"^[€£¥₹]", "", s)
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?%?", s):
+        s = s.replace(",", "")  # 1,000 -> 1000
+    return s.replace(" ", "")
+
+
+_NUMBER = re.compile(r"([+-]?)(\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d+))?")
+
+
+def parse_number(answer: str) -> Fraction | None:
+    """Exact value of a plain number in normalized form: ``12``, ``-3.50``, ``7/2``, ``\\frac{7}{2}``,
+    ``-\\frac{7}{2}``, ``1e-3``, ``25%`` (= 1/4). ``None`` for anything else."""
+    s = normalize_answer(answer)
+    percent = s.endswith("%")
+    if percent:
+        s = s[:-1]
+    frac = re.fullmatch(r"(-?)\\frac\{([^{}]+)\}\{([^{}]+)\}", s) or re.fullmatch(r"(-?)\\frac(\d)(\d)", s)
+    if frac:
+        num, den = parse_number(frac.group(2)), parse_number(frac.group(3))
+        if num is None or den is None or den == 0:
+            return None
+        value = num / den * (-1 if frac.group(1) else 1)
+    elif "/" in s:
+        parts = s.split("/")
+        if len(parts) != 2:
+            return None
+        num, den = parse_number(parts[0]), parse_number(parts[1])
+        if num is None or den is None or den == 0:
+            return None
+        value = num / den
+    else:
+        m = _NUMBER.fullmatch(s)
+        if not m:
+            return None
+        value = Fraction(m.group(2))
+        if m.group(3):
+            exponent = int(m.group(3))
+            if abs(exponent) > 400:
+                return None
+            value *= Fraction(10) ** exponent
+        if m.group(1) == "-":
+            value = -value
+    return value / 100 if percent else value
+
+
+def _close(a: complex, b: complex, rel_tol: float, abs_tol: float) -> bool:
+    return abs(a - b) <= max(abs_tol, rel_tol * abs(b))
+
+
+class _QuietTimeoutWarning(logging.Filter):
+    """math-verify warns once that its timeouts are off; here they are off on purpose (see module doc)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in record.getMessage()
+
+
+for _name in ("math_verify.grader", "math_verify.parser"):
+    logging.getLogger(_name).addFilter(_QuietTimeoutWarning())
+
+
+def _symbolic_equal(pred: str, gold: str, rel_tol: float, abs_tol: float) -> bool:
+    """math-verify, then sympy (plain or LaTeX expressions) with numeric tolerance; no timeouts inside."""
+    from math_verify import parse, verify
+
+    gold_parsed = parse(f"${gold}$", parsing_timeout=None)
+    pred_parsed = parse(f"${pred}$", parsing_timeout=None)
+    if gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=None):
+        return True
+
+    import sympy as sp
+    from sympy.parsing.sympy_parser import (
+        convert_xor,
+        implicit_multiplication_application,
+        parse_expr,
+        standard_transformations,
+    )
+
+    def to_sympy(s: str) -> sp.Expr:
+        if "\\" in s:
+            from latex2sympy2_extended import latex2sympy
+
+            return latex2sympy(s)
+        transformations = (*standard_transformations, implicit_multiplication_application, convert_xor)
+        return parse_expr(s, transformations=transformations, evaluate=True)
+
+    p_expr, g_expr = to_sympy(normalize_answer(pred)), to_sympy(normalize_answer(gold))
+    if p_expr.is_number and g_expr.is_number:
+        return _close(complex(p_expr.evalf()), complex(g_expr.evalf()), rel_tol, abs_tol)
+    return bool(sp.simplify(p_expr - g_expr) == 0)
+
+
+def answers_equal(
+    pred: str | None,
+    gold: str,
+    *,
+    rel_tol: float = 1e-6,
+    abs_tol: float = 1e-9,
+    timeout_s: float = 5.0,
+) -> bool:
+    """Whether the answer ``pred`` is mathematically equal to the ground truth ``gold``.
+
+    Numbers compare exactly as rationals first, then within ``rel_tol`` / ``abs_tol`` (so ``0.3333333``
+    matches ``1/3`` only to 1e-6 relative). Anything else goes to math-verify and sympy, bounded by
+    ``timeout_s`` seconds (a check that runs out of time counts as *not equal*). Safe to call from any
+    thread.
+    """
+    if pred is None:
+        return False
+    if not isinstance(pred, str) or not isinstance(gold, str):
+        raise TypeError(f"answers must be str, got {type(pred).__name__} and {type(gold).__name__}")
+    p_norm, g_norm = normalize_answer(pred), normalize_answer(gold)
+    if not p_norm:
+        return False
+    if p_norm == g_norm:
+        return True
+    p_num, g_num = parse_number(pred), parse_number(gold)
+    if p_num is not None and g_num is not None:
+        return p_num == g_num or _close(float(p_num), float(g_num), rel_tol, abs_tol)
+    too_big = max(len(p_norm), len(g_norm)) > _MAX_SYMBOLIC_CHARS
+    towers = max(s.count("^") + s.count("**") for s in (p_norm, g_norm)) > _MAX_POWERS
+    if too_big or towers:
+        return False
+    result: list[bool] = []
+
+    def check() -> None:
+        try:
+            result.append(_symbolic_equal(pred, gold, rel_tol, abs_tol))
+        except Exception:  # unparsable answers are simply not equal
+            result.append(False)
+
+    worker = threading.Thread(target=check, name="answer-check", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    return bool(result and result[0])
