@@ -1,1 +1,88 @@
-"""streamrl.algorithms."""
+"""streamrl.algorithms: how the agent learns.
+
+The core is pure tensor math that every algorithm module shares: the event tracker (policy clock and
+prompt memory), advantage estimators with their normalizations, and the policy/value losses. See
+``docs/algorithms.md`` for the map from each function to its equation.
+"""
+
+from streamrl.algorithms.advantages import (
+    TRL_GRPO_EPS,
+    VERL_GRPO_EPS,
+    WHITEN_EPS,
+    GAEResult,
+    broadcast_to_tokens,
+    discounted_returns,
+    gae,
+    group_advantages,
+    length_adaptive_lambda,
+    masked_whiten,
+    outcome_token_rewards,
+    token_mean_residual,
+    token_measure_normalize,
+    trajectory_whiten,
+    weighted_standardize,
+)
+from streamrl.algorithms.losses import (
+    PolicyLoss,
+    PPOTokenTerms,
+    RolloutIS,
+    ValueLoss,
+    aggregate_loss,
+    clipped_value_loss,
+    dis_policy_loss,
+    entropy_from_logits,
+    kl_penalty,
+    ppo_clip_token_loss,
+    ppo_policy_loss,
+    rollout_importance_weights,
+)
+from streamrl.algorithms.tracker import (
+    EventTracker,
+    Receipt,
+    TaskStats,
+    Ticket,
+    TrackerConfig,
+    logprob_drift,
+    offline_prior,
+    sampling_weights,
+    spo_retention,
+)
+
+__all__ = [
+    "TRL_GRPO_EPS",
+    "VERL_GRPO_EPS",
+    "WHITEN_EPS",
+    "EventTracker",
+    "GAEResult",
+    "PPOTokenTerms",
+    "PolicyLoss",
+    "Receipt",
+    "RolloutIS",
+    "TaskStats",
+    "Ticket",
+    "TrackerConfig",
+    "ValueLoss",
+    "aggregate_loss",
+    "broadcast_to_tokens",
+    "clipped_value_loss",
+    "dis_policy_loss",
+    "discounted_returns",
+    "entropy_from_logits",
+    "gae",
+    "group_advantages",
+    "kl_penalty",
+    "length_adaptive_lambda",
+    "logprob_drift",
+    "masked_whiten",
+    "offline_prior",
+    "outcome_token_rewards",
+    "ppo_clip_token_loss",
+    "ppo_policy_loss",
+    "rollout_importance_weights",
+    "sampling_weights",
+    "spo_retention",
+    "token_mean_residual",
+    "token_measure_normalize",
+    "trajectory_whiten",
+    "weighted_standardize",
+]
