@@ -158,7 +158,7 @@ class PolicyLoss:
         for f in fields(self):
             value = getattr(self, f.name)
             if value is not None:
-                out[prefix + f.name] = float(value)
+                out[prefix + f.name] = float(value.detach()) if isinstance(value, Tensor) else float(value)
         out[prefix + "clip_frac"] = float(self.clip_frac)
         return out
 
@@ -505,7 +505,7 @@ class ValueLoss:
 
     def metrics(self, prefix: str = "") -> dict[str, float]:
         return {
-            prefix + "value_loss": float(self.loss),
+            prefix + "value_loss": float(self.loss.detach()),
             prefix + "value_clip_frac": float(self.clip_frac),
             prefix + "explained_variance": float(self.explained_variance),
             prefix + "num_tokens": float(self.num_tokens),

@@ -259,3 +259,11 @@ def test_gae_errors() -> None:
         outcome_token_rewards(t([1.0]), torch.zeros(1, 3, dtype=F64))
     with pytest.raises(ValueError, match="lam"):
         gae(torch.zeros_like(mask), t(T10_VALUES), mask, lam=1.5)
+
+
+def test_docs_worked_example_numbers() -> None:
+    """The ALFWorld-like batch of docs/algorithms.md: long failures, short successes."""
+    mask = prefix_mask([120, 800, 150, 900, 200, 700])
+    raw = t([1, 0, 1, 0, 1, 0]) - t([0.5, 0.4, 0.6, 0.5, 0.3, 0.45])
+    assert float(token_mean_residual(trajectory_whiten(raw), mask)) == pytest.approx(-0.6004770, abs=TOL)
+    assert abs(float(token_mean_residual(token_measure_normalize(raw, mask), mask))) < 1e-15

@@ -303,7 +303,7 @@ def test_clipped_value_loss() -> None:
     mask = t([[1.0, 1.0, 0.0]])
     out = clipped_value_loss(values, old, returns, mask, clip_range=0.5)
     # token 0: max(0, (0.5 - 1)^2) = 0.25 (clipped branch); token 1: max(0.04, 0.04); token 2 masked
-    assert float(out.loss) == pytest.approx(0.5 * (0.25 + 0.04) / 2)
+    assert out.metrics()["value_loss"] == pytest.approx(0.5 * (0.25 + 0.04) / 2)
     assert float(out.clip_frac) == 0.5
     (grad,) = torch.autograd.grad(out.loss, values)
     assert grad[0, 0] == 0 and grad[0, 2] == 0  # clipped branch is flat; masked token untouched
