@@ -1,0 +1,335 @@
+"""``streamrl/MathTIR-v0``: math word problems solved with a sandboxed Python tool (tool-integrated reasoning).
+
+Episode protocol (the ToRL / SimpleTIR / SPO-recipe format):
+
+* ``reset`` returns the problem text.
+* Each action is the agent's whole turn (text). If it holds a final answer ``\\boxed{...}`` outside any code
+  block, the episode terminates: reward 1.0 when the answer is mathematically equal to the ground truth
+  (:func:`streamrl.envs.math_answer.answers_equal`), else 0.0.
+* Otherwise, if it holds a fenced ```` ```python ```` block (the last one counts), the block runs in the
+  sandbox (a fresh process per call, no state kept between calls) and the next observation is its stdout --
+  or, on failure, the last line of the traceback -- inside ```` ```output ```` fences, cut to
+  ``max_output_chars`` (head + tail). At most ``max_tool_calls`` calls run; later code blocks are refused.
+* A turn with neither is invalid (``info["action_valid"] = False``); the observation says what was expected.
+* After ``max_turns`` turns without an answer the episode is truncated with reward 0.
+
+``info`` always carries ``task_id``, ``question``, ``won``, ``tool_calls``, ``action_valid``, ``answer`` (the
+extracted final answer or ``None``), ``ground_truth``, ``turn``; after a tool call also ``tool_status``.
+
+The env starts no process until the first tool call; then it uses the process-wide sandbox pool
+(:func:`streamrl.envs.sandbox.acquire_shared_pool`), which the last env to close shuts down.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import gymnasium as gym
+from gymnasium import spaces
+from streamrl.envs.math_answer import answers_equal, extract_boxed
+from streamrl.envs.math_tasks import SOURCES, SPLITS, MathTask, custom_tasks, task_set
+from streamrl.envs.sandbox import (
+    SandboxConfig,
+    SandboxPool,
+    acquire_shared_pool,
+    release_shared_pool,
+    truncate_middle,
+)
+
+__all__ = ["CHARSET", "MathTIRConfig", "MathTIREnv", "parse_turn"]
+
+# Every character an observation may hold; anything else (rare in tool output) becomes U+FFFD. Gymnasium's
+# Text space needs a finite character set, and check_env samples actions from it.
+CHARSET = "".join(
+    dict.fromkeys(
+        string.printable
+        + "".join(chr(c) for c in range(0xA0, 0x180))  # Latin-1 supplement, Latin Extended-A
+        + "€£¥₹¢×÷−–—‘’“”„…•·°±≤≥≠≈≡∞√∛π∑∏∫∂∆∇∈∉∩∪⊂⊆⊇∀∃∅→←↔⇒⇔′″‰"
+        + "αβγδεζηθικλμνξοπρστυφχψωΓΔΘΛΞΠΣΦΨΩ⁰¹²³⁴⁵⁶⁷⁸⁹₀₁₂₃₄₅₆₇₈₉½⅓¼¾✓✗\ufffd"
+    )
+)
+_CHARSET = frozenset(CHARSET)
+
+_CODE_BLOCK = re.compile(r"```(?:python|py)[ \t]*\r?\n(.*?)```", re.DOTALL)
+_OPEN_CODE = re.compile(r"```(?:python|py)\b")
+
+
+@dataclass(frozen=True)
+class MathTIRConfig:
+    """Settings of :class:`MathTIREnv`."""
+
+    source: str = "mixed"
+    """Task source: ``"gsm_symbolic"`` (word problems), ``"procedural"`` (multi-step arithmetic/algebra,
+    where a calculator pays off: big powers mod m, equation systems) or ``"mixed"`` (both, interleaved;
+    the default, so a policy learns both to read a problem and to compute with the tool). Ignored when
+    custom ``tasks`` are given."""
+    split: str = "train"
+    """``"train"`` (1,500 problems per source) or ``"test"`` (300 per source, disjoint from train)."""
+    size: int | None = None
+    """Use only the first ``size`` tasks of the split (``None`` = all)."""
+    max_tool_calls: int = 8
+    """Code blocks run per episode (ToRL's cap); later ones are refused with an explanation."""
+    max_turns: int = 10
+    """Turns (actions) before truncation; must be > ``max_tool_calls`` so an answer turn fits."""
+    max_output_chars: int = 512
+    """Tool output shown to the agent per call: head + tail of this many characters."""
+    max_action_chars: int = 16_384
+    """Longest turn accepted; longer ones are invalid (and the action space's ``max_length``)."""
+    max_observation_chars: int = 8_192
+    """Observations are cut (head + tail) to this length (the observation space's ``max_length``)."""
+    answer_timeout_s: float = 5.0
+    """Time bound of one answer check (math-verify / sympy)."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Limits of the Python tool sandbox."""
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"source={self.source!r} is unknown; valid sources are {SOURCES}")
+        if self.split not in SPLITS:
+            raise ValueError(f"split={self.split!r} is unknown; valid splits are {SPLITS}")
+        if self.max_tool_calls < 0:
+            raise ValueError(f"max_tool_calls must be >= 0, got {self.max_tool_calls}")
+        if self.max_turns <= self.max_tool_calls:
+            raise ValueError(
+                f"max_turns={self.max_turns} must exceed max_tool_calls={self.max_tool_calls} "
+                "(the answer needs a turn of its own)"
+            )
+        for name, low in (("max_output_chars", 16), ("max_action_chars", 64), ("max_observation_chars", 256)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        if self.answer_timeout_s <= 0:
+            raise ValueError(f"answer_timeout_s must be > 0, got {self.answer_timeout_s}")
+
+
+@dataclass(frozen=True)
+class ParsedTurn:
+    """What a turn asks for: a final ``answer``, ``code`` to run, or neither (``problem`` says why)."""
+
+    answer: str | None = None
+    code: str | None = None
+    problem: str | None = None
+
+
+def parse_turn(text: str) -> ParsedTurn:
+    """Split a turn into a final answer (a ``\\boxed{}`` outside code blocks) or the last python block."""
+    blocks = list(_CODE_BLOCK.finditer(text))
+    prose = _CODE_BLOCK.sub(" ", text)
+    if "\\boxed" in prose or "\\fbox" in prose:
+        answer = extract_boxed(prose)
+        if answer is None:
+            return ParsedTurn(problem="the \\boxed{ of your answer is never closed with }")
+        if not answer:
+            return ParsedTurn(problem="\\boxed{} is empty; put the final answer inside it")
+        return ParsedTurn(answer=answer)
+    if blocks:
+        return ParsedTurn(code=blocks[-1].group(1))
+    if _OPEN_CODE.search(text):
+        return ParsedTurn(problem="the ```python block is not closed with ``` on its own line")
+    return ParsedTurn()
+
+
+def _clean_text(text: str | bytes) -> str:
+    """Valid UTF-8 only: undecodable bytes and lone surrogates become U+FFFD."""
+    if isinstance(text, bytes):
+        return text.decode("utf-8", errors="replace")
+    return text.encode("utf-8", errors="replace").decode("utf-8") if not text.isascii() else text
+
+
+class MathTIREnv(gym.Env[str, str]):
+    """Math problems with a Python tool; see the module docstring for the episode protocol.
+
+    Args:
+        config: all settings (:class:`MathTIRConfig`); keyword ``overrides`` replace single fields, so
+            ``gym.make("streamrl/MathTIR-v0", split="test", max_tool_calls=4)`` works.
+        tasks: your own ``(question, answer)`` records or ``{"question", "answer"[, "task_id"]}`` mappings
+            (or ready :class:`MathTask` objects); replaces the built-in task set.
+        render_mode: ``None`` or ``"ansi"`` (``render()`` returns the episode's transcript).
+    """
+
+    metadata = {"render_modes": ["ansi"], "render_fps": 1}  # noqa: RUF012 - gymnasium's own convention
+
+    def __init__(
+        self,
+        config: MathTIRConfig | None = None,
+        *,
+        tasks: Iterable[MathTask | Mapping[str, Any] | Sequence[Any]] | None = None,
+        render_mode: str | None = None,
+        **overrides: Any,
+    ) -> None:
+        super().__init__()
+        config = config or MathTIRConfig()
+        if overrides:
+            unknown = sorted(set(overrides) - set(MathTIRConfig.__dataclass_fields__))
+            if unknown:
+                raise TypeError(
+                    f"unknown MathTIREnv option(s) {unknown}; valid: {sorted(MathTIRConfig.__dataclass_fields__)}"
+                )
+            config = replace(config, **overrides)
+        if render_mode not in (None, "ansi"):
+            raise ValueError(f"render_mode={render_mode!r} is not supported; use None or 'ansi'")
+        self.config = config
+        self.render_mode = render_mode
+        self.tasks = self._load_tasks(tasks)
+        self._by_id = {t.task_id: t for t in self.tasks}
+        self.observation_space = spaces.Text(config.max_observation_chars, min_length=1, charset=CHARSET)
+        self.action_space = spaces.Text(config.max_action_chars, min_length=0, charset=CHARSET)
+        self._pool: SandboxPool | None = None
+        self._task: MathTask | None = None
+        self._turn = 0
+        self._tool_calls = 0
+        self._done = False
+        self._transcript: list[str] = []
+
+    def _load_tasks(self, tasks: Iterable[Any] | None) -> tuple[MathTask, ...]:
+        c = self.config
+        if tasks is None:
+            return task_set(c.source, c.split, c.size)  # type: ignore[arg-type]
+        items = list(tasks)
+        if items and all(isinstance(t, MathTask) for t in items):
+            loaded: tuple[MathTask, ...] = tuple(items)
+        else:
+            loaded = custom_tasks(items)
+        if len({t.task_id for t in loaded}) != len(loaded):
+            raise ValueError("tasks contain duplicate task_id values")
+        return loaded if c.size is None else loaded[: c.size]
+
+    # ---- gym API ---------------------------------------------------------------------------------
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[str, dict[str, Any]]:
+        """Start an episode: ``options={"task_id": ...}`` picks the task, else one is drawn with ``seed``."""
+        super().reset(seed=seed)
+        options = dict(options or {})
+        unknown = sorted(set(options) - {"task_id"})
+        if unknown:
+            raise ValueError(f"unknown reset option(s) {unknown}; the only option is 'task_id'")
+        if "task_id" in options:
+            task_id = options["task_id"]
+            if task_id not in self._by_id:
+                examples = ", ".join(repr(t.task_id) for t in self.tasks[:3])
+                raise ValueError(
+                    f"unknown task_id {task_id!r} for this env ({len(self.tasks)} tasks, e.g. {examples}; "
+                    f"source={self.config.source!r}, split={self.config.split!r})"
+                )
+            self._task = self._by_id[task_id]
+        else:
+            self._task = self.tasks[int(self.np_random.integers(len(self.tasks)))]
+        self._turn = self._tool_calls = 0
+        self._done = False
+        obs = self._observation(self._task.question)
+        self._transcript = [obs]
+        return obs, self._info(action_valid=True, answer=None)
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if self._task is None:
+            raise RuntimeError("call reset() before step()")
+        if self._done:
+            raise RuntimeError("the episode is over (terminated or truncated); call reset()")
+        if not isinstance(action, str | bytes):
+            raise TypeError(f"action must be a str (the agent's turn), got {type(action).__name__}")
+        text = _clean_text(action)
+        self._turn += 1
+        reward, terminated, answer = 0.0, False, None
+        extra: dict[str, Any] = {}
+        valid = True
+        if len(text) > self.config.max_action_chars:
+            valid = False
+            obs = (
+                f"Invalid action: the turn is {len(text)} characters long; at most "
+                f"{self.config.max_action_chars} are accepted."
+            )
+        else:
+            turn = parse_turn(text)
+            if turn.answer is not None:
+                answer, terminated = turn.answer, True
+                won = answers_equal(answer, self._task.answer, timeout_s=self.config.answer_timeout_s)
+                reward = 1.0 if won else 0.0
+                obs = f"Final answer received: {answer}. It is {'correct' if won else 'incorrect'}."
+            elif turn.code is not None:
+                obs, extra = self._run_tool(turn.code)
+                valid = extra.pop("valid")
+            else:
+                valid = False
+                why = f" ({turn.problem})" if turn.problem else ""
+                obs = (
+                    f"Invalid action{why}. Expected either Python code in a ```python ... ``` block (its printed "
+                    "output comes back) or the final answer written as \\boxed{answer}."
+                )
+        truncated = not terminated and self._turn >= self.config.max_turns
+        if truncated:
+            obs += (
+                f"\nThe turn limit ({self.config.max_turns}) is reached; the episode ends without an answer."
+            )
+        self._done = terminated or truncated
+        obs = self._observation(obs)
+        self._transcript += [f"> {text}", obs]
+        info = self._info(action_valid=valid, answer=answer, won=reward == 1.0)
+        info.update(extra)
+        return obs, reward, terminated, truncated, info
+
+    def _run_tool(self, code: str) -> tuple[str, dict[str, Any]]:
+        if self._tool_calls >= self.config.max_tool_calls:
+            return (
+                f"Tool call refused: the limit of {self.config.max_tool_calls} code executions is used up. "
+                "Give the final answer as \\boxed{answer}.",
+                {"valid": False, "tool_status": "refused"},
+            )
+        if self._pool is None:
+            self._pool = acquire_shared_pool(self.config.sandbox)
+        self._tool_calls += 1
+        result = self._pool.run(code)
+        if result.ok:
+            shown = result.output if result.output.strip() else "(no output; print() the values you need)"
+        else:
+            lines = [line for line in result.output.splitlines() if line.strip()]
+            shown = lines[-1].strip() if lines else f"{result.status}"  # ToRL: the last traceback line
+        shown = truncate_middle(shown.rstrip("\n"), self.config.max_output_chars)
+        return f"```output\n{shown}\n```", {
+            "valid": True,
+            "tool_status": result.status,
+            "tool_seconds": result.seconds,
+        }
+
+    def _observation(self, text: str) -> str:
+        text = "".join(ch if ch in _CHARSET else "\ufffd" for ch in _clean_text(text))
+        return truncate_middle(text, self.config.max_observation_chars) or " "
+
+    def _info(self, *, action_valid: bool, answer: str | None, won: bool = False) -> dict[str, Any]:
+        assert self._task is not None
+        return {
+            "task_id": self._task.task_id,
+            "question": self._task.question,
+            "ground_truth": self._task.answer,
+            "won": won,
+            "tool_calls": self._tool_calls,
+            "action_valid": action_valid,
+            "answer": answer,
+            "turn": self._turn,
+        }
+
+    def task(self, task_id: str) -> MathTask:
+        """The task record named ``task_id`` (question, answer, reference solution program)."""
+        if task_id not in self._by_id:
+            raise KeyError(f"unknown task_id {task_id!r}")
+        return self._by_id[task_id]
+
+    @property
+    def current_task(self) -> MathTask | None:
+        """The task of the episode in progress (``None`` before the first reset)."""
+        return self._task
+
+    def render(self) -> str | None:  # type: ignore[override]
+        if self.render_mode == "ansi":
+            return "\n".join(self._transcript)
+        return None
+
+    def close(self) -> None:
+        """Release this env's hold on the shared sandbox pool (the last holder stops its processes)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            release_shared_pool(pool)
+        super().close()
