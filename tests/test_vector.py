@@ -1,0 +1,386 @@
+"""Streaming vector env: results against direct runs, first-ready order, autoreset modes, the Gymnasium
+facade against gymnasium's own SyncVectorEnv, group seeding, error messages, and process reaping.
+
+Chaos (killed, hung, raising, leaking workers in long runs) lives in test_vector_chaos.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import psutil
+import pytest
+from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
+from gymnasium.vector import AutoresetMode, SyncVectorEnv
+from streamrl.envs.vector import (
+    EnvFactory,
+    EnvResult,
+    LockstepVectorEnv,
+    ResetNeededError,
+    StreamingVectorEnv,
+    SubEnvError,
+    SubEnvState,
+    VectorEnvConfig,
+    WorkerStartError,
+)
+from vector_testenvs import ScriptedTextEnv
+
+BACKENDS = ["subprocess", "inprocess"]
+
+
+def _scripted(**kwargs: Any) -> functools.partial[ScriptedTextEnv]:
+    return functools.partial(ScriptedTextEnv, **kwargs)
+
+
+def _wait_gone(pids: list[int], limit: float = 20.0) -> list[int]:
+    """Pids still running (not zombies) after waiting up to ``limit`` s for them to go."""
+    deadline = time.monotonic() + limit
+    while True:
+        alive = [p for p in pids if _running(p)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+# ------------------------------------------------------------------------------------------------------
+# Results are exactly what the env returns, tagged right, whatever the interleaving
+# ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_streamed_episodes_equal_direct_runs(backend: str) -> None:
+    """Random interleaving of send/recv over 5 envs on 3 workers (2 envs per worker): every episode's
+    results equal a direct run of the same env with the same seed and actions, tagged with the right
+    env id, episode id and step, and every episode id appears exactly once."""
+    rng = random.Random(0)
+    lengths = [2, 3, 4, 5, 3]
+    venv = StreamingVectorEnv(
+        [_scripted(episode_len=n) for n in lengths], VectorEnvConfig(backend=backend, envs_per_worker=2)
+    )
+    transcripts: dict[int, list[EnvResult]] = {}
+    seeds: dict[int, int] = {}
+    actions: dict[int, list[str]] = {}
+    try:
+        for env_id in range(5):
+            seeds[venv.reset_async([env_id], seeds=100 + env_id)[0]] = 100 + env_id
+        finished = 0
+        next_seed = 200
+        while finished < 20:
+            results = venv.recv(timeout=30)
+            assert results, "recv timed out with calls pending"
+            for r in results:
+                transcripts.setdefault(r.episode_id, []).append(r)
+                if r.done:
+                    finished += 1
+                    seeds[venv.reset_async([r.env_id], seeds=next_seed)[0]] = next_seed
+                    next_seed += 1
+                else:
+                    action = rng.choice(["go", "win", "look"])
+                    actions.setdefault(r.episode_id, []).append(action)
+                    venv.send([r.env_id], [action])
+    finally:
+        venv.close()
+
+    complete = {eid: t for eid, t in transcripts.items() if t[-1].done}
+    assert len(complete) >= 20
+    for eid, got in complete.items():
+        env_id = got[0].env_id
+        env = ScriptedTextEnv(episode_len=lengths[env_id])
+        obs, info = env.reset(seed=seeds[eid])
+        expected = [(obs, 0.0, False, False, info, 0)]
+        for t, action in enumerate(actions[eid], start=1):
+            expected.append((*env.step(action), t))
+        assert [(r.obs, r.reward, r.terminated, r.truncated, r.info, r.step) for r in got] == expected
+        assert {r.env_id for r in got} == {env_id} and {r.episode_id for r in got} == {eid}
+    assert len(set(transcripts)) == len(transcripts)
+
+
+def test_recv_returns_fast_envs_first_while_a_slow_one_is_held(tmp_path: Path) -> None:
+    """Env 0 cannot finish its first step until the test opens its gate; meanwhile the three other envs
+    complete whole episodes through recv. No timing involved: lock-step would deadlock here."""
+    gate = tmp_path / "gate"
+    factories = [_scripted(episode_len=2, fault="gate", gate_path=str(gate))] + [_scripted(episode_len=2)] * 3
+    with StreamingVectorEnv(factories) as venv:
+        venv.reset()
+        venv.send(range(4), ["a"] * 4)
+        seen: list[EnvResult] = []
+        while sum(r.done for r in seen) < 3:
+            for r in venv.recv():
+                seen.append(r)
+                if not r.done:
+                    venv.send([r.env_id], ["b"])
+        assert {r.env_id for r in seen} == {1, 2, 3}
+        assert venv.state(0) is SubEnvState.STEPPING and venv.num_pending == 1
+        assert venv.recv(timeout=0.05) == []  # still held: an empty list, not an error
+        gate.touch()
+        (late,) = venv.recv()
+        assert (late.env_id, late.step, late.obs) == (0, 1, late.info["task_id"] + " t=1 a=a")
+
+
+# ------------------------------------------------------------------------------------------------------
+# Autoreset and the Gymnasium facade
+# ------------------------------------------------------------------------------------------------------
+
+
+def _assert_same_batch(ours: Any, theirs: Any) -> None:
+    if isinstance(theirs, dict):
+        assert isinstance(ours, dict) and list(ours) == list(theirs)
+        for key in theirs:
+            _assert_same_batch(ours[key], theirs[key])
+    elif isinstance(theirs, np.ndarray):
+        assert isinstance(ours, np.ndarray) and ours.dtype == theirs.dtype and ours.shape == theirs.shape
+        if theirs.dtype == object:
+            for a, b in zip(ours, theirs, strict=True):
+                _assert_same_batch(a, b)
+        else:
+            np.testing.assert_array_equal(ours, theirs)
+    elif isinstance(theirs, tuple):
+        assert isinstance(ours, tuple) and len(ours) == len(theirs)
+        for a, b in zip(ours, theirs, strict=True):
+            _assert_same_batch(a, b)
+    else:
+        assert type(ours) is type(theirs) and ours == theirs
+
+
+@pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP, AutoresetMode.DISABLED])
+def test_lockstep_facade_matches_gymnasium_sync_vector_env(mode: AutoresetMode) -> None:
+    """Same envs, seeds and actions: our facade returns exactly what gymnasium.vector.SyncVectorEnv
+    returns (observation tuples, float64/bool arrays, infos with masks, final_obs/final_info)."""
+    fns = [_scripted(episode_len=n) for n in (2, 3, 4)]
+    ours = LockstepVectorEnv(fns, VectorEnvConfig(autoreset_mode=mode))
+    theirs = SyncVectorEnv(fns, autoreset_mode=mode)
+    try:
+        assert ours.metadata["autoreset_mode"] == theirs.metadata["autoreset_mode"] == mode
+        assert ours.observation_space == theirs.observation_space
+        assert ours.action_space == theirs.action_space
+        _assert_same_batch(ours.reset(seed=7), theirs.reset(seed=7))
+        rng = random.Random(1)
+        for _ in range(9):
+            actions = tuple(rng.choice(["win", "go"]) for _ in range(3))
+            ours_out, theirs_out = ours.step(actions), theirs.step(actions)
+            _assert_same_batch(ours_out, theirs_out)
+            if mode == AutoresetMode.DISABLED:
+                done = np.logical_or(theirs_out[2], theirs_out[3])
+                if done.any():
+                    opts = {"reset_mask": done, "task_id": "again"}
+                    _assert_same_batch(
+                        ours.reset(seed=3, options=dict(opts)), theirs.reset(seed=3, options=dict(opts))
+                    )
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_streaming_autoreset_modes_tag_the_next_episode() -> None:
+    with StreamingVectorEnv([_scripted(episode_len=1)], VectorEnvConfig(autoreset_mode="NextStep")) as venv:
+        (first,) = venv.reset()
+        (final,) = venv.step([0], ["win"])
+        assert final.terminated and final.reward == 1.0 and venv.state(0) is SubEnvState.NEEDS_RESET
+        (again,) = venv.step([0], ["ignored"])  # NEXT_STEP: this send resets
+        assert again.is_reset and again.episode_id == first.episode_id + 1 and again.reward == 0.0
+    with StreamingVectorEnv([_scripted(episode_len=1)], VectorEnvConfig(autoreset_mode="SameStep")) as venv:
+        (first,) = venv.reset(seeds=5)
+        (final,) = venv.step([0], ["win"])
+        assert final.terminated and final.episode_id == first.episode_id and final.step == 1
+        assert final.next_episode_id == first.episode_id + 1 and venv.state(0) is SubEnvState.READY
+        assert final.info["final_obs"].endswith("t=1 a=win") and final.obs.endswith(" start")
+        (nxt,) = venv.step([0], ["go"])
+        assert nxt.episode_id == final.next_episode_id and nxt.step == 1
+
+
+def test_group_reset_broadcasts_task_and_seed() -> None:
+    """GRPO groups: one options mapping (or one int seed) is given to every listed env."""
+    with StreamingVectorEnv([_scripted()] * 4, VectorEnvConfig(backend="inprocess")) as venv:
+        group = venv.reset([0, 1, 2], options={"task_id": "problem-17"})
+        assert {r.obs for r in group} == {"problem-17 start"} and len({r.episode_id for r in group}) == 3
+        same_seed = venv.reset([0, 1, 2, 3], seeds=42)
+        assert len({r.info["task_id"] for r in same_seed}) == 1
+        per_env = venv.reset([2, 3], seeds=[1, 2], options=[{"task_id": "x"}, None])
+        assert per_env[0].obs == "x start" and per_env[1].info["task_id"].startswith("task")
+
+
+# ------------------------------------------------------------------------------------------------------
+# Env exceptions: truncated with the traceback, or raised in strict mode
+# ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_env_exception_comes_back_once_with_traceback(backend: str) -> None:
+    with StreamingVectorEnv(
+        [_scripted(fault="raise", fault_step=2)], VectorEnvConfig(backend=backend)
+    ) as venv:
+        (start,) = venv.reset()
+        (ok,) = venv.step([0], ["a"])
+        (failed,) = venv.step([0], ["b"])
+        assert failed.truncated and not failed.terminated and failed.reward == 0.0
+        assert (failed.episode_id, failed.step, failed.obs) == (start.episode_id, 2, ok.obs)
+        assert failed.info["error_kind"] == "exception"
+        assert failed.error == f"ValueError: scripted failure at step 2 of {start.info['task_id']}"
+        assert "in step" in failed.info["traceback"] and "vector_testenvs.py" in failed.info["traceback"]
+        assert venv.state(0) is SubEnvState.NEEDS_RESET and venv.restarts == 0
+        (again,) = venv.reset()  # the same worker keeps serving
+        assert again.episode_id == start.episode_id + 1
+
+
+def test_strict_mode_reraises_with_worker_traceback() -> None:
+    config = VectorEnvConfig(strict=True)
+    with StreamingVectorEnv([_scripted(fault="raise", fault_step=1), _scripted()], config) as venv:
+        venv.reset()
+        venv.send([0, 1], ["a", "b"])
+        with pytest.raises(SubEnvError, match="scripted failure") as caught:
+            while True:
+                venv.recv(min_ready=venv.num_pending)
+        assert caught.value.env_id == 0 and isinstance(caught.value.__cause__, ValueError)
+        assert "Worker traceback" in str(caught.value) and "vector_testenvs.py" in str(caught.value)
+        assert venv.state(0) is SubEnvState.NEEDS_RESET
+        if venv.num_pending:  # env 1's result, if it was in the same batch, is kept for the next recv
+            (other,) = venv.recv()
+            assert other.env_id == 1 and other.error is None
+
+
+# ------------------------------------------------------------------------------------------------------
+# Clear errors
+# ------------------------------------------------------------------------------------------------------
+
+
+def test_misuse_raises_clear_errors() -> None:
+    with StreamingVectorEnv([_scripted()] * 2, VectorEnvConfig(backend="inprocess")) as venv:
+        with pytest.raises(NoAsyncCallError, match="no call pending"):
+            venv.recv()
+        with pytest.raises(ResetNeededError, match=r"reset_async\(\[1\]\)"):
+            venv.send([1], ["a"])
+        with pytest.raises(ValueError, match=r"env id 2 is not valid; valid ids are the ints 0\.\.1"):
+            venv.reset_async([2])
+        with pytest.raises(ValueError, match="env id -1 is not valid"):
+            venv.reset_async([-1])
+        with pytest.raises(TypeError, match=r"single int 0; use \[0\]"):
+            venv.reset_async(0)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="repeat an id"):
+            venv.reset_async([0, 0])
+        with pytest.raises(ValueError, match="seeds has 1 entries for 2 env ids"):
+            venv.reset_async([0, 1], seeds=[1])
+        with pytest.raises(TypeError, match="options="):
+            venv.reset_async([0], options="task")  # type: ignore[arg-type]
+        venv.reset_async([0, 1])
+        with pytest.raises(AlreadyPendingCallError, match="sub-env 0 is busy"):
+            venv.send([0], ["a"])
+        with pytest.raises(ValueError, match="min_ready must be between 1 and the 2 pending"):
+            venv.recv(min_ready=3)
+        venv.recv(min_ready=2)
+        with pytest.raises(ValueError, match="got 1 actions for 2 env ids"):
+            venv.send([0, 1], ["a"])
+    with pytest.raises(ClosedEnvironmentError):
+        venv.send([0], ["a"])
+    assert venv.state(0) is SubEnvState.CLOSED
+
+
+def test_bad_factories_and_configs_fail_at_construction() -> None:
+    with pytest.raises(gym.error.NameNotFound, match="NoSuchEnv"):
+        StreamingVectorEnv.from_env("streamrl/NoSuchEnv-v0", 2)
+    with pytest.raises(TypeError, match="cannot build an env from 3"):
+        StreamingVectorEnv([3])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="start_method must be 'spawn' or 'forkserver', got 'fork'"):
+        VectorEnvConfig(start_method="fork")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="autoreset_mode must be one of"):
+        VectorEnvConfig(autoreset_mode="sometimes")
+    with pytest.raises(ValueError, match="step_timeout must be > 0 or None, got 0"):
+        VectorEnvConfig(step_timeout=0)
+    with pytest.raises(WorkerStartError, match=r"could not build its envs: TypeError(.|\n)*Worker traceback"):
+        StreamingVectorEnv([_scripted(no_such_argument=1)])
+    with pytest.raises(ValueError, match="all sub-envs must share observation and action spaces"):
+        StreamingVectorEnv(["CartPole-v1", _scripted()], VectorEnvConfig(backend="inprocess"))
+
+
+def test_registered_gym_ids_and_kwargs_work() -> None:
+    """Any registered gym.Env runs, from an id plus gym.make kwargs (here a built-in, non-Text one)."""
+    factory = EnvFactory("CartPole-v1", {"max_episode_steps": 2})
+    with StreamingVectorEnv([factory] * 2, VectorEnvConfig(envs_per_worker=2)) as venv:
+        venv.reset(seeds=0)
+        results = venv.step([0, 1], [0, 1])
+        assert [r.step for r in results] == [1, 1]
+        results = venv.step([0, 1], [0, 1])
+        assert all(r.truncated for r in results)  # the TimeLimit of gym.make(max_episode_steps=2)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Reaping
+# ------------------------------------------------------------------------------------------------------
+
+
+def test_close_reaps_every_worker() -> None:
+    venv = StreamingVectorEnv([_scripted()] * 3, VectorEnvConfig(close_timeout=2))
+    pids = [p for p in venv.worker_pids() if p is not None]
+    venv.reset()
+    venv.send([0], ["a"])  # close with a call in flight
+    venv.close()
+    venv.close()
+    assert len(pids) == 3 and _wait_gone(pids, limit=0.0) == []
+
+
+_EXIT_SCRIPT = """
+import functools, os, signal, sys
+sys.path.insert(0, {tests!r})
+from vector_testenvs import ScriptedTextEnv
+from streamrl.envs.vector import StreamingVectorEnv
+venv = StreamingVectorEnv([functools.partial(ScriptedTextEnv)] * 2)
+venv.reset()
+print(" ".join(str(p) for p in venv.worker_pids()), flush=True)
+how = {how!r}
+if how == "drop":
+    del venv  # garbage collection reaps
+elif how == "sigkill":
+    os.kill(os.getpid(), signal.SIGKILL)  # no cleanup code runs at all: workers see EOF and exit
+# "exit": the interpreter exits with the env still open
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "drop", "sigkill"])
+def test_workers_do_not_outlive_their_parent(how: str) -> None:
+    """No __main__ guard in the script either: spawned workers never re-import the caller's main."""
+    script = _EXIT_SCRIPT.format(tests=str(Path(__file__).parent), how=how)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=60
+    )
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 2, proc.stderr
+    assert _wait_gone(pids) == []
+
+
+def test_killing_a_worker_ends_its_episodes_once() -> None:
+    """The basic contract behind the chaos tests: a SIGKILLed worker's in-flight episode comes back at
+    recv, an episode that was waiting for an action comes back at its next send; both exactly once."""
+    with StreamingVectorEnv([_scripted(episode_len=5)] * 3, VectorEnvConfig(envs_per_worker=2)) as venv:
+        start = venv.reset()
+        venv.step([0, 1, 2], ["a", "a", "a"])
+        venv.send([0], ["b"])
+        pid = venv.worker_pids()[0]
+        assert pid is not None
+        os.kill(pid, 9)
+        (r0,) = venv.recv()  # env 0's step was in flight on the killed worker
+        assert (r0.env_id, r0.truncated, r0.info["error_kind"], r0.step) == (0, True, "crash", 2)
+        assert "SIGKILL" in r0.error and r0.episode_id == start[0].episode_id
+        assert venv.restarts == 1 and venv.worker_pids()[0] != pid
+        venv.send([1, 2], ["b", "b"])  # env 1 lived in the killed worker, env 2 did not
+        by_env = {r.env_id: r for r in venv.recv(min_ready=2)}
+        assert by_env[1].truncated and by_env[1].info["error_kind"] == "crash" and by_env[1].step == 2
+        assert by_env[2].error is None and by_env[2].step == 2
+        assert venv.state(1) is SubEnvState.NEEDS_RESET
+        fresh = venv.reset([0, 1])
+        assert all(r.error is None for r in fresh)
