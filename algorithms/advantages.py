@@ -183,13 +183,13 @@ def group_advantages(
     if len(keys) != rewards.shape[0]:
         raise ValueError(f"{len(keys)} group ids for {rewards.shape[0]} rewards")
     index_of: dict[Hashable, int] = {}
-    index = torch.tensor([index_of.setdefault(k, len(index_of)) for k in keys], dtype=torch.long)
-    num_groups = len(index_of)
-    counts = torch.zeros(num_groups, dtype=rewards.dtype).index_add_(0, index, torch.ones_like(rewards))
-    sums = torch.zeros(num_groups, dtype=rewards.dtype).index_add_(0, index, rewards)
-    means = sums / counts
-    centered_sq = (rewards - means[index]) ** 2
-    sq_sums = torch.zeros(num_groups, dtype=rewards.dtype).index_add_(0, index, centered_sq)
+    index = torch.tensor(
+        [index_of.setdefault(k, len(index_of)) for k in keys], dtype=torch.long, device=rewards.device
+    )
+    zeros = rewards.new_zeros(len(index_of))
+    counts = zeros.index_add(0, index, torch.ones_like(rewards))
+    means = zeros.index_add(0, index, rewards) / counts
+    sq_sums = zeros.index_add(0, index, (rewards - means[index]) ** 2)
     stds = (sq_sums / (counts - 1).clamp(min=1)).sqrt()
 
     lone = counts[index] == 1

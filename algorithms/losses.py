@@ -550,7 +550,11 @@ def clipped_value_loss(
         var_ret = _masked_mean((returns - ret_mean).square(), mask)
         residual = returns - values.detach()
         var_res = _masked_mean((residual - _masked_mean(residual, mask)).square(), mask)
-        explained = 1 - var_res / var_ret if float(var_ret) > 0 else torch.tensor(float("nan"), dtype=m.dtype)
+        explained = (
+            1 - var_res / var_ret
+            if float(var_ret) > 0
+            else torch.full((), math.nan, dtype=m.dtype, device=m.device)
+        )
     return ValueLoss(
         loss=loss,
         clip_frac=_masked_mean(clipped.to(values.dtype), mask),

@@ -140,7 +140,8 @@ class Ticket:
 @dataclass(frozen=True)
 class Receipt:
     """A filed outcome: ``advantage = reward - ticket.baseline`` (SPO Eq. 1, pre-update baseline; ``None``
-    without a baseline) and ``staleness`` = versions published between dispatch and record."""
+    without a baseline), ``staleness`` = versions published between dispatch and record, and ``retention``
+    = the rho applied to the task's memory (per event in event-time mode; ``None`` in bookkeeping mode)."""
 
     ticket: Ticket
     reward: float
