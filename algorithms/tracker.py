@@ -526,7 +526,7 @@ class EventTracker:
         stats.in_flight += 1
         return ticket
 
-    def _take_ticket(self, ticket: Ticket) -> Ticket:
+    def _held_ticket(self, ticket: Ticket) -> Ticket:
         """Validate ``ticket`` against the in-flight table without removing it."""
         held = self._in_flight.get(ticket.dispatch_index)
         if held is None:
@@ -562,7 +562,7 @@ class EventTracker:
         dispatches only. Receipt-order: Eq. 2 with rho = :attr:`TrackerConfig.rho`, or with
         rho = :func:`spo_retention` of ``drift`` (required, and only allowed, with ``retention="drift"``).
         """
-        held = self._take_ticket(ticket)
+        held = self._held_ticket(ticket)
         reward = float(reward)
         self._check_reward(reward)
         drift_mode = self.config.mode == "receipt-order" and self.config.retention == "drift"
@@ -598,7 +598,7 @@ class EventTracker:
 
     def cancel(self, ticket: Ticket) -> None:
         """Release ``ticket`` without filing an outcome (a failed request that should not enter memory)."""
-        held = self._take_ticket(ticket)
+        held = self._held_ticket(ticket)
         del self._in_flight[held.dispatch_index]
         self._stats[held.task_id].in_flight -= 1
 
