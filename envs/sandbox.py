@@ -36,6 +36,7 @@ import ctypes
 import json
 import os
 import queue
+import re
 import select
 import shutil
 import signal
@@ -216,10 +217,9 @@ class _Zygote:
             raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
 
     def _private_mounts(self) -> bool:
-        """Give the zygote (and so every call) its own mount namespace (root only):
+        """Give the zygote its own mount namespace (root only), in which each call gets another one
+        (:meth:`_fresh_scratch`), and:
 
-        * ``/tmp``, ``/var/tmp`` and ``/dev/shm`` become private tmpfs mounts, so the world-writable places
-          are empty, per-zygote and gone with it (work directories live in the new ``/tmp``);
         * directories the sandbox uid cannot traverse on the way to the interpreter (e.g. a pyenv Python
           under a ``0700`` ``/root``) are covered by a tmpfs holding bind mounts of just the interpreter's
           trees, so the unprivileged child can import the standard library and site-packages while the
@@ -250,12 +250,21 @@ class _Zygote:
                     os.makedirs(path, exist_ok=True)
                     self._mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC)
                     os.close(fd)
-            for scratch in ("/tmp", "/var/tmp", "/dev/shm"):
-                if os.path.isdir(scratch):
-                    self._mount("tmpfs", scratch, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=1777,size=256m")
         except OSError:
             return False
         return True
+
+    def _fresh_scratch(self) -> str:
+        """In the child (root, before dropping privileges): a mount namespace of its own with empty tmpfs
+        mounts on ``/tmp``, ``/var/tmp`` and ``/dev/shm``, so the world-writable places start empty and
+        vanish with the call; ``/tmp`` itself is the work directory."""
+        if self.libc.unshare(_CLONE_NEWNS) != 0:
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) failed")
+        size = f"size={self.config.max_file_mb * 4}m"
+        for scratch in ("/tmp", "/var/tmp", "/dev/shm"):
+            if os.path.isdir(scratch):
+                self._mount("tmpfs", scratch, "tmpfs", _MS_NOSUID | _MS_NODEV, f"mode=1777,{size}")
+        return "/tmp"
 
     def _probe_uid_drop(self) -> bool:
         """Can a child running as the sandbox uid still import from the standard library?"""
@@ -279,7 +288,7 @@ class _Zygote:
         return self.libc.setns(self.own_pid_ns, _CLONE_NEWPID) == 0
 
     # ---- child -----------------------------------------------------------------------------------
-    def _child(self, code: str, out_fd: int, workdir: str, status_fd: int) -> None:
+    def _child(self, code: str, out_fd: int, workdir: str | None, status_fd: int) -> None:
         """Runs in the forked child; never returns."""
         rc = 1
         try:
@@ -294,6 +303,8 @@ class _Zygote:
             os.dup2(out_fd, 1)
             os.dup2(out_fd, 2)
             os.closerange(3, 1 << 16)
+            if workdir is None:
+                workdir = self._fresh_scratch()
             os.chdir(workdir)
             self._set_limits()
             if self.drop_uid:
@@ -336,9 +347,11 @@ class _Zygote:
     # ---- one call --------------------------------------------------------------------------------
     def run(self, code: str, timeout: float) -> dict[str, Any]:
         start = time.monotonic()
-        workdir = tempfile.mkdtemp(dir=self.base_dir)
-        if self.drop_uid:
-            os.chown(workdir, self.config.sandbox_uid, self.config.sandbox_uid)
+        workdir = None  # with private mounts the child makes its own (a fresh /tmp)
+        if not self.private_fs:
+            workdir = tempfile.mkdtemp(dir=self.base_dir)
+            if self.drop_uid:
+                os.chown(workdir, self.config.sandbox_uid, self.config.sandbox_uid)
         out_r, out_w = os.pipe()
         st_r, st_w = os.pipe()
         in_pid_ns = self.pid_ns and self.libc.unshare(_CLONE_NEWPID) == 0
@@ -352,7 +365,7 @@ class _Zygote:
             self.libc.setns(self.own_pid_ns, _CLONE_NEWPID)
         os.close(out_w)
         os.close(st_w)
-        head, tail, total, timed_out = self._collect(out_r, start + timeout)
+        head, tail, total, timed_out = self._collect(out_r, pid, start + timeout)
         if timed_out:
             self._kill(pid)
         _, wait_status = os.waitpid(pid, 0)
@@ -363,29 +376,51 @@ class _Zygote:
         os.close(st_r)
         if net:
             self.net_ns = net == b"1"
-        shutil.rmtree(workdir, ignore_errors=True)
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
         return self._result(head, tail, total, timed_out, timeout, wait_status, time.monotonic() - start)
 
-    def _collect(self, fd: int, deadline: float) -> tuple[bytearray, bytearray, int, bool]:
-        """Read the child's output until EOF or the deadline, keeping a head and a tail of it."""
+    def _collect(self, fd: int, pid: int, deadline: float) -> tuple[bytearray, bytearray, int, bool]:
+        """Read the child's output until EOF, the child's exit, or the deadline; keep a head and a tail.
+
+        Watching the exit (a pidfd) matters without a PID namespace: a process the code left behind may
+        hold the pipe open long after the call is over.
+        """
         keep = 2 * self.config.max_output_chars  # bytes; a UTF-8 character is at most 4, cut later
         head, tail, total = bytearray(), bytearray(), 0
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                return head, tail, total, True
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                return head, tail, total, False
-            total += len(chunk)
-            room = keep - len(head)
-            if room > 0:
-                head += chunk[:room]
-                chunk = chunk[room:]
-            if chunk:
-                tail += chunk
-                if len(tail) > keep:
-                    del tail[: len(tail) - keep]
+        try:
+            watch = [fd, os.pidfd_open(pid)]
+        except OSError:  # pragma: no cover - kernels before 5.3
+            watch = [fd]
+        exited = False
+        try:
+            while True:
+                now = time.monotonic()
+                if exited and now > deadline:
+                    return head, tail, total, False  # a leftover process keeps writing; the call is over
+                left = 0.0 if exited else deadline - now
+                ready = select.select([fd] if exited else watch, [], [], max(left, 0.0))[0]
+                if not ready:
+                    return head, tail, total, not exited
+                if fd not in ready:  # the child is gone: take what is buffered, then stop
+                    exited = True
+                    deadline = min(deadline, now + 0.5)
+                    continue
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    return head, tail, total, False
+                total += len(chunk)
+                room = keep - len(head)
+                if room > 0:
+                    head += chunk[:room]
+                    chunk = chunk[room:]
+                if chunk:
+                    tail += chunk
+                    if len(tail) > keep:
+                        del tail[: len(tail) - keep]
+        finally:
+            for extra in watch[1:]:
+                os.close(extra)
 
     def _kill(self, pid: int) -> None:
         for kill in (os.kill, os.killpg):  # PID 1 of a namespace takes the namespace with it
@@ -433,7 +468,6 @@ class _Zygote:
         if total > keep:
             first, last = text.split("\x00CUT\x00", 1)
             text = first + "\n...\n" + last
-        text = truncate_middle(text, self.config.max_output_chars)
         returncode: int | None = None
         if timed_out:
             status, note = "timeout", f"TimeoutError: wall-clock limit of {timeout:g}s exceeded"
@@ -453,10 +487,12 @@ class _Zygote:
             returncode = os.WEXITSTATUS(wait_status)
             status = "ok" if returncode == 0 else "error"
             note = "" if returncode == 0 else f"Exited with code {returncode}"
-            if returncode != 0 and text.strip():
-                note = ""  # the traceback (or the code's own message) already says what happened
+            lines = text.strip().splitlines()
+            if note and lines and _EXCEPTION_LINE.match(lines[-1]):
+                note = ""  # the traceback's last line already says what happened
         if note:
             text = f"{text.rstrip()}\n{note}" if text.strip() else note
+        text = truncate_middle(text, self.config.max_output_chars)  # the tail keeps the note
         return {"status": status, "output": text, "seconds": seconds, "returncode": returncode}
 
     def serve(self) -> None:
@@ -483,6 +519,9 @@ class _Zygote:
                 _send(self.resp_fd, reply)
         finally:
             shutil.rmtree(self.base_dir, ignore_errors=True)
+
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
 
 
 def _signal_name(sig: int) -> str:

@@ -1,0 +1,248 @@
+"""The Python tool sandbox: real zygote processes, real hostile code, real process-table checks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from streamrl.envs.sandbox import SandboxConfig, SandboxPool, ToolResult, truncate_middle
+
+CONFIG = SandboxConfig(timeout_s=1.5, cpu_time_s=1, pool_size=2, max_output_chars=2048)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with SandboxPool(CONFIG) as p:
+        yield p
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _wait_gone(pids: list[int], limit_s: float = 10.0) -> list[int]:
+    """Pids still running (not zombies) after waiting up to ``limit_s``."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def test_runs_code_with_preloaded_libraries(pool: SandboxPool) -> None:
+    result = pool.run(
+        "import sympy as sp, numpy as np\nx = sp.symbols('x')\n"
+        "print(sp.solve(x**2 - 5*x + 6, x), int(np.arange(5).sum()))"
+    )
+    assert result == ToolResult("ok", "[2, 3] 10\n", result.seconds, 0)
+
+
+def test_calls_share_no_state(pool: SandboxPool) -> None:
+    assert pool.run("secret_value = 41\nopen('state.txt', 'w').write('x')").ok
+    result = pool.run("import os\nprint('secret_value' in globals(), 'state.txt' in os.listdir('.'))")
+    assert result.output == "False False\n"
+
+
+HOSTILE = {
+    "infinite loop": ("while True:\n    pass", "timeout", "TimeoutError"),
+    "sleep past the wall clock": ("import time\ntime.sleep(60)", "timeout", "wall-clock limit"),
+    "memory bomb": ("x = bytearray(16 * 2**30)\nprint(len(x))", "error", "MemoryError"),
+    "numpy memory bomb": ("import numpy as np\nprint(np.ones((2**16, 2**16)).sum())", "error", "MemoryError"),
+    "fork bomb": ("import os\nwhile True:\n    os.fork()", None, ""),
+    "deep recursion": ("def f(n):\n    return f(n + 1)\nf(0)", "error", "RecursionError"),
+    "segfault": ("import ctypes\nctypes.string_at(0)", "killed", "SIGSEGV"),
+    "syntax error": ("print(1 +", "error", "SyntaxError"),
+    "exception": ("1 / 0", "error", "ZeroDivisionError: division by zero"),
+    "sys.exit(3)": ("import sys\nsys.exit(3)", "error", "Exited with code 3"),
+    "os._exit(7)": ("import os\nprint('bye', flush=True)\nos._exit(7)", "error", "bye\nExited with code 7"),
+    "os._exit(0)": ("import os\nprint('bye', flush=True)\nos._exit(0)", "ok", "bye"),
+    "kill the parent": ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nprint('alive')", None, ""),
+    "kill the caller": (f"import os, signal\nos.kill({os.getpid()}, signal.SIGKILL)", "error", "Error"),
+    "kill every process": ("import os, signal\nos.kill(-1, signal.SIGKILL)\nprint('alive')", None, ""),
+    "gigantic output": ("print('x' * 10**8)", "ok", "characters truncated"),
+    "endless output": ("while True:\n    print('spam' * 1000)", "timeout", "TimeoutError"),
+    "daemon that escapes with setsid": (
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('parent done')",
+        "ok",
+        "parent done",
+    ),
+    "invalid UTF-8 output": ("import sys\nsys.stdout.buffer.write(b'\\xff\\xfe ok\\n')", "ok", "ok"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_code_gives_a_tool_error_and_the_pool_goes_on(pool: SandboxPool, name: str) -> None:
+    code, status, needle = HOSTILE[name]
+    assert pool.isolation  # starts a zygote if none runs yet
+    zygotes = set(pool.zygote_pids())
+    result = pool.run(code)
+    if status is not None:
+        assert result.status == status, result
+    assert needle in result.output, result
+    assert len(result.output) <= CONFIG.max_output_chars + 80
+    # The zygotes survived, nothing the call started is left, and the pool still computes.
+    assert set(pool.zygote_pids()) == zygotes
+    for zygote in zygotes:
+        assert _descendants(zygote) == []
+    assert pool.run("print(6 * 7)").output == "42\n"
+
+
+def test_writes_outside_the_work_dir_are_refused(pool: SandboxPool) -> None:
+    if pool.isolation["sandbox_uid"] == os.geteuid():
+        pytest.skip("not running as root: the code runs as the caller's own user, who may write here")
+    target = Path(__file__).resolve().parent / "sandbox_escape.txt"
+    result = pool.run(f"open({str(target)!r}, 'w').write('pwned')")
+    assert result.status == "error" and "PermissionError" in result.output
+    assert not target.exists()
+
+
+def test_scratch_dirs_are_private(pool: SandboxPool) -> None:
+    if not pool.isolation["private_filesystem"]:
+        pytest.skip("no mount namespace here: /tmp is shared with the host")
+    name = f"streamrl-sandbox-probe-{os.getpid()}"
+    assert pool.run(f"open('/tmp/{name}', 'w').write('x')\nprint('written')").output == "written\n"
+    assert not Path("/tmp", name).exists()
+    assert pool.run(f"import os\nprint(os.path.exists('/tmp/{name}'))").output == "False\n"  # next call
+
+
+def test_no_network(pool: SandboxPool) -> None:
+    result = pool.run("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=1)")
+    assert result.status == "error"
+    assert pool.isolation["network_namespace"] is True
+    assert "Network is unreachable" in result.output
+
+
+def test_environment_secrets_do_not_reach_the_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STREAMRL_TEST_SECRET", "hunter2-token")
+    with SandboxPool(CONFIG) as fresh:  # started after the secret was set
+        result = fresh.run(
+            "import os\nprint(sorted(os.environ))\nprint(os.environ.get('STREAMRL_TEST_SECRET'))"
+        )
+        assert result.output == "['HOME', 'LANG', 'PATH', 'TMPDIR']\nNone\n"
+        snoop = fresh.run(f"print(open('/proc/{os.getpid()}/environ').read())")
+        assert "hunter2-token" not in snoop.output
+        if fresh.isolation["sandbox_uid"] != os.geteuid():
+            assert snoop.status == "error" and "PermissionError" in snoop.output
+
+
+def test_without_pid_namespace_escaped_processes_are_still_killed() -> None:
+    """The fallback path (no PID namespace): process group kill plus the subreaper sweep."""
+    config = SandboxConfig(timeout_s=1.5, pool_size=1, isolate_pids=False)
+    with SandboxPool(config) as fallback:
+        assert fallback.isolation["pid_namespace"] is False
+        code = (
+            "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('parent done')"
+        )
+        assert fallback.run(code).output == "parent done\n"
+        (zygote,) = fallback.zygote_pids()
+        assert _descendants(zygote) == []
+        assert fallback.run("while True: pass").status == "timeout"
+        assert _descendants(zygote) == []
+
+
+def test_dead_zygote_is_replaced_transparently() -> None:
+    with SandboxPool(SandboxConfig(pool_size=1, timeout_s=5)) as p:
+        assert p.run("print(1)").ok
+        (first,) = p.zygote_pids()
+        os.kill(first, signal.SIGKILL)
+        assert _wait_gone([first]) == []
+        assert p.run("print(2)").output == "2\n"  # found dead, restarted before the call
+        (second,) = p.zygote_pids()
+        assert second != first
+
+        def kill_soon() -> None:
+            time.sleep(0.5)
+            os.kill(second, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_soon)
+        killer.start()
+        result = p.run("import time\ntime.sleep(3)")
+        killer.join()
+        assert result.status == "killed" and "died" in result.output
+        assert p.run("print(3)").output == "3\n"
+
+
+def test_many_threads_share_a_pool() -> None:
+    with SandboxPool(SandboxConfig(pool_size=2)) as p:
+        results: dict[int, str] = {}
+
+        def work(i: int) -> None:
+            results[i] = p.run(f"print({i} ** 2)").output
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results == {i: f"{i**2}\n" for i in range(12)}
+        assert len(p.zygote_pids()) <= 2
+
+
+def test_close_leaves_no_process() -> None:
+    before = {c.pid for c in psutil.Process().children(recursive=True)}  # e.g. the module's pool
+    p = SandboxPool(SandboxConfig(pool_size=2))
+    assert p.run("import os\nif os.fork() == 0:\n    import time; time.sleep(60)\nprint('x')").ok
+    zygotes = p.zygote_pids()
+    assert zygotes
+    p.close()
+    assert _wait_gone(zygotes) == []
+    assert {c.pid for c in psutil.Process().children(recursive=True)} <= before
+    with pytest.raises(RuntimeError, match="closed"):
+        p.run("print(1)")
+
+
+def test_interpreter_exit_closes_open_pools() -> None:
+    script = (
+        "from streamrl.envs.sandbox import SandboxPool\n"
+        "p = SandboxPool()\np.run('print(1)')\nprint(p.zygote_pids()[0], flush=True)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert _wait_gone([int(out.stdout.split()[-1])]) == []
+
+
+def test_rejections_and_config_errors(pool: SandboxPool) -> None:
+    too_long = pool.run("#" * (CONFIG.max_code_chars + 1))
+    assert too_long.status == "error" and "at most" in too_long.output
+    with pytest.raises(TypeError):
+        pool.run(b"print(1)")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout"):
+        pool.run("print(1)", timeout=0)
+    with pytest.raises(ValueError, match="memory_mb"):
+        SandboxConfig(memory_mb=10)
+    with pytest.raises(ValueError, match="pool_size"):
+        SandboxConfig(pool_size=0)
+
+
+def test_per_call_timeout_override(pool: SandboxPool) -> None:
+    result = pool.run("import time\ntime.sleep(5)", timeout=0.3)
+    assert result.status == "timeout" and "0.3s" in result.output
+
+
+@pytest.mark.parametrize("n", [0, 10, 99, 100, 101, 5000])
+def test_truncate_middle_keeps_head_and_tail(n: int) -> None:
+    text = "".join(chr(ord("a") + i % 26) for i in range(n))
+    cut = truncate_middle(text, 100)
+    if n <= 100:
+        assert cut == text
+    else:
+        assert cut.startswith(text[:50]) and cut.endswith(text[-50:])
+        assert f"[{n - 100} characters truncated]" in cut
