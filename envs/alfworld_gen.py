@@ -1,0 +1,604 @@
+"""Offline generator of ALFWorld games (all six task types) for the real TextWorld PDDL engine.
+
+The official ALFWorld games are downloaded from GitHub, which many machines cannot reach. Everything
+needed to *author* games ships inside the ``alfworld`` wheel: the PDDL domain and text grammar, the
+receptacle/object compatibility tables (``alfworld.gen.constants``), the goal templates
+(``alfworld.gen.goal_library``) and per-floor-plan object and receptacle lists for all 120 AI2-THOR
+floor plans (``alfworld/gen/layouts``). This module samples rooms from those tables, writes standard
+``game.tw-pddl`` + ``traj_data.json`` folders (which alfworld's own ``AlfredTWEnv`` also reads), builds a
+constructive walkthrough and keeps a game only if the real engine says the goal is false at reset and the
+walkthrough wins it. Design and measurements: ``shared/reference/alfworld.md`` sections 4-5.
+
+Generated games are ALFWorld-*style*: same engine, domain, grammar, task types and room contents, but
+not the ALFWorld benchmark games; numbers on them are not comparable to published ALFWorld scores.
+
+Splits (fixed for a generator version; game ``i`` of a split depends only on the version, split and ``i``,
+so a larger split extends a smaller one):
+
+* ``train`` - 128 tasks (the SPO++ paper's training-set size) in ALFRED's training floor plans;
+* ``eval_seen`` - 64 other tasks in the same floor plans (ALFWorld's ``valid_seen``);
+* ``eval_unseen`` - 64 tasks in ALFRED's held-out test floor plans (ALFWorld's ``valid_unseen``).
+
+ALFWorld's two eval splits are nearly equal (140 seen / 134 unseen), so ours are equal too; 64 each is
+the size at which a success rate has a standard error <= 6.3 points, while generating and verifying
+all 256 games stays within a few CPU minutes. Sizes are configurable (``GenerationConfig``).
+
+Command line: ``python -m streamrl.envs.alfworld_gen [--split train eval_seen eval_unseen] [--cache-dir D]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import functools
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import alfworld.gen.constants as C
+import alfworld.gen.goal_library as glib
+from streamrl.envs.textworld_patches import default_cache_root
+
+__all__ = [
+    "GENERATOR_VERSION",
+    "SPLITS",
+    "TASK_TYPES",
+    "GameSpec",
+    "GenerationConfig",
+    "build_game",
+    "ensure_split",
+    "generate_game",
+    "main",
+    "parse_task_id",
+    "split_dir",
+]
+
+# Bump whenever a change alters any generated game: it names the cache folder.
+GENERATOR_VERSION = "1"
+
+# ALFWorld's task-type order (alfworld.agents.environment.alfred_tw_env.TASK_TYPES).
+TASK_TYPES: tuple[str, ...] = (
+    "pick_and_place_simple",
+    "look_at_obj_in_light",
+    "pick_clean_then_place_in_recep",
+    "pick_heat_then_place_in_recep",
+    "pick_cool_then_place_in_recep",
+    "pick_two_obj_and_place",
+)
+SPLITS: tuple[str, ...] = ("train", "eval_seen", "eval_unseen")
+
+_DATA = resources.files("alfworld") / "data"
+DOMAIN: str = (_DATA / "alfred.pddl").read_text()
+GRAMMAR: str = (_DATA / "alfred.twl2").read_text()
+_LAYOUTS = resources.files("alfworld.gen") / "layouts"
+
+STATIC_RECEPTACLES: tuple[str, ...] = tuple(sorted(C.RECEPTACLES - C.MOVABLE_RECEPTACLES_SET))
+# Every object type is declared as a constant, as in ALFWorld's own problem files (the domain refers to
+# SinkBasinType, KnifeType, ... in preconditions).
+OBJECT_TYPES: tuple[str, ...] = tuple(sorted(C.OBJECTS_SET - set(STATIC_RECEPTACLES)))
+LAMPS: tuple[str, ...] = ("DeskLamp", "FloorLamp")
+PICKUPABLE: tuple[str, ...] = tuple(
+    sorted({o for objs in C.VAL_RECEPTACLE_OBJECTS.values() for o in objs if "Sliced" not in o})
+)
+# Lamps are not in VAL_RECEPTACLE_OBJECTS; ALFWorld rooms put them on furniture like these.
+LAMP_HOSTS: tuple[str, ...] = (
+    "Desk",
+    "SideTable",
+    "Dresser",
+    "CoffeeTable",
+    "DiningTable",
+    "TVStand",
+    "Shelf",
+)
+# The tool each state-change task needs, the property its object must have, and the command verb.
+TOOLS: dict[str, tuple[str, str, str]] = {
+    "pick_clean_then_place_in_recep": ("SinkBasin", "Cleanable", "clean"),
+    "pick_heat_then_place_in_recep": ("Microwave", "Heatable", "heat"),
+    "pick_cool_then_place_in_recep": ("Fridge", "Coolable", "cool"),
+}
+# Instance counts for receptacle types that the floor plan's -openable.json does not enumerate.
+_DEFAULT_COUNTS: dict[str, tuple[int, ...]] = {"StoveBurner": (2, 4, 4)}
+# The -openable.json lists name the fixtures; the PDDL receptacle is the basin.
+_FIXTURE_TO_RECEPTACLE = {"Sink": "SinkBasin", "Bathtub": "BathtubBasin"}
+_PROPERTY_PREDICATES = (
+    ("Cleanable", "cleanable"),
+    ("Heatable", "heatable"),
+    ("Coolable", "coolable"),
+    ("Sliceable", "sliceable"),
+    ("Toggleable", "toggleable"),
+)
+_MAX_ATTEMPTS = 200
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Sizes of the fixed splits and where they are cached.
+
+    Attributes:
+        train: number of training tasks (default 128, the SPO++ paper's training set).
+        eval_seen: tasks in training floor plans (default 64; ALFWorld's valid_seen has 140).
+        eval_unseen: tasks in held-out floor plans (default 64; ALFWorld's valid_unseen has 134).
+        cache_dir: folder holding one sub-folder per generator version; ``None`` means
+            ``$STREAMRL_CACHE/alfworld`` (``~/.cache/streamrl/alfworld`` when ``STREAMRL_CACHE`` is unset).
+        workers: processes used to generate missing games (``None`` = ``os.cpu_count()``, capped by the
+            number of missing games); 1 generates in this process.
+    """
+
+    train: int = 128
+    eval_seen: int = 64
+    eval_unseen: int = 64
+    cache_dir: str | None = None
+    workers: int | None = None
+
+    def __post_init__(self) -> None:
+        for split in SPLITS:
+            n = getattr(self, split)
+            if not isinstance(n, int) or n < 0:
+                raise ValueError(f"GenerationConfig.{split} must be an int >= 0, got {n!r}")
+        if self.workers is not None and self.workers < 1:
+            raise ValueError(f"GenerationConfig.workers must be >= 1 or None, got {self.workers}")
+
+    def size(self, split: str) -> int:
+        _check_split(split)
+        return int(getattr(self, split))
+
+    def root(self) -> Path:
+        base = Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_root() / "alfworld"
+        return base / f"gen-v{GENERATOR_VERSION}"
+
+
+@dataclass
+class GameSpec:
+    """One sampled room and task, in PDDL ids (before the engine names things "cabinet 3")."""
+
+    task_type: str
+    floor_plan: int
+    receptacles: list[str]  # receptacle ids, e.g. "Cabinet_bar_3", "Sink_bar_1_bar_SinkBasin"
+    objects: list[tuple[str, str]]  # (object id, id of the receptacle holding it)
+    params: dict[str, Any]  # ALFRED pddl_params: object_target, parent_target, toggle_target, ...
+    task_desc: str
+    plan: list[tuple[str, ...]] = field(default_factory=list)  # constructive plan in PDDL ids
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}")
+
+
+def _rtype(receptacle_id: str) -> str:
+    return (
+        receptacle_id.split("_bar_")[-1]
+        if receptacle_id.endswith("Basin")
+        else receptacle_id.split("_bar_")[0]
+    )
+
+
+def _otype(object_id: str) -> str:
+    return object_id.split("_bar_")[0]
+
+
+def _receptacle_id(rtype: str, i: int) -> str:
+    # ALFRED-style ids that alfworld's Demangler turns into "sinkbasin 1", "cabinet 3", ...
+    if rtype == "SinkBasin":
+        return f"Sink_bar_{i}_bar_SinkBasin"
+    if rtype == "BathtubBasin":
+        return f"Bathtub_bar_{i}_bar_BathtubBasin"
+    return f"{rtype}_bar_{i}"
+
+
+def floor_plans(split: str, task_type: str) -> list[int]:
+    """Floor plans a task of ``task_type`` may use in ``split``: ALFRED's training scenes for ``train``
+    and ``eval_seen``, its held-out test scenes for ``eval_unseen``; room types from ``GOALS_VALID``."""
+    _check_split(split)
+    scenes = C.TEST_SCENE_NUMBERS if split == "eval_unseen" else C.TRAIN_SCENE_NUMBERS
+    rooms = sorted(C.GOALS_VALID[task_type])
+    valid = {n for room in rooms for n in C.SCENE_TYPE[room]}
+    return sorted(n for n in scenes if n in valid)
+
+
+@functools.cache
+def _scene(floor_plan: int) -> tuple[tuple[str, ...], dict[str, int]]:
+    """Sorted object/receptacle types present in a floor plan and receptacle instance counts."""
+    types = json.loads((_LAYOUTS / f"FloorPlan{floor_plan}-objects.json").read_text())
+    instances = json.loads((_LAYOUTS / f"FloorPlan{floor_plan}-openable.json").read_text())
+    counts: dict[str, int] = {}
+    for key in sorted(instances):
+        rtype = _FIXTURE_TO_RECEPTACLE.get(key.split("|")[0], key.split("|")[0])
+        counts[rtype] = counts.get(rtype, 0) + 1
+    present = {_FIXTURE_TO_RECEPTACLE.get(t, t) for t in types} | set(counts)
+    return tuple(sorted(present)), counts
+
+
+def _sample_spec(task_type: str, split: str, rng: random.Random) -> GameSpec | None:
+    """Sample a room and task (section 5 of the reference); ``None`` when the draw cannot host the task."""
+    floor_plan = rng.choice(floor_plans(split, task_type))
+    present, counts = _scene(floor_plan)
+    present_set = set(present)
+
+    receptacles: list[str] = []
+    for rtype in STATIC_RECEPTACLES:
+        if rtype not in present_set:
+            continue
+        n = counts.get(rtype) or rng.choice(_DEFAULT_COUNTS.get(rtype, (1,)))
+        receptacles += [_receptacle_id(rtype, i) for i in range(1, n + 1)]
+    rtypes = sorted({_rtype(r) for r in receptacles})
+
+    def hosts(otype: str) -> list[str]:
+        if otype in LAMPS:
+            return [r for r in receptacles if _rtype(r) in LAMP_HOSTS]
+        return [r for r in receptacles if otype in C.VAL_RECEPTACLE_OBJECTS.get(_rtype(r), ())]
+
+    candidates = [t for t in PICKUPABLE if t in present_set and hosts(t)]
+    lamps = [t for t in LAMPS if t in present_set and hosts(t)]
+
+    # Task arguments.
+    toggle, tool = "", ""
+    if task_type in TOOLS:
+        tool, prop, _ = TOOLS[task_type]
+        if tool not in rtypes:
+            return None
+        candidates = [t for t in candidates if t in C.VAL_ACTION_OBJECTS[prop]]
+    if task_type == "look_at_obj_in_light":
+        if not lamps:
+            return None
+        toggle = rng.choice(lamps)
+    if not candidates:
+        return None
+    obj = rng.choice(candidates)
+    parent = ""
+    if task_type != "look_at_obj_in_light":
+        parents = [t for t in rtypes if obj in C.VAL_RECEPTACLE_OBJECTS.get(t, ()) and t != tool]
+        # The target must start outside every parent-type receptacle, or the game may start won.
+        if not parents:
+            return None
+        parent = rng.choice(parents)
+        if not [r for r in hosts(obj) if _rtype(r) != parent]:
+            return None
+
+    # Objects: every pickupable type present gets 1-3 instances (lamps: 1) in compatible receptacles.
+    objects: list[tuple[str, str]] = []
+    for otype in sorted(set(candidates) | {t for t in PICKUPABLE if t in present_set} | set(lamps)):
+        places = hosts(otype)
+        if not places:
+            continue
+        n = 1 if otype in LAMPS else rng.randint(1, 3)
+        if otype == obj:
+            n = max(n, 2 if task_type == "pick_two_obj_and_place" else 1)
+            places = [r for r in places if _rtype(r) != parent]
+        for i in range(1, n + 1):
+            objects.append((f"{otype}_bar_{i}", rng.choice(places)))
+
+    template = rng.choice(glib.gdict[task_type]["templates"])
+    task_desc = template.format(obj=obj.lower(), recep=parent.lower(), toggle=toggle.lower(), mrecep="")
+    params = {
+        "object_target": obj,
+        "parent_target": parent,
+        "toggle_target": toggle,
+        "mrecep_target": "",
+        "object_sliced": False,
+    }
+    spec = GameSpec(task_type, floor_plan, receptacles, objects, params, task_desc)
+    spec.plan = _constructive_plan(spec)
+    return spec
+
+
+def _constructive_plan(spec: GameSpec) -> list[tuple[str, ...]]:
+    """A winning plan from the known layout: go to the holder (open it if needed), take; visit the tool
+    and use it; go to the parent (open it if needed) and move the object there. ``go to`` the current
+    receptacle and re-opening are skipped (neither is admissible in ALFWorld)."""
+    holder = dict(spec.objects)
+    at: str | None = None
+    opened: set[str] = set()
+    plan: list[tuple[str, ...]] = []
+
+    def goto(r: str, open_it: bool = True) -> None:
+        nonlocal at
+        if at != r:
+            plan.append(("go to", r))
+            at = r
+        if open_it and _rtype(r) in C.OPENABLE_CLASS_SET and r not in opened:
+            plan.append(("open", r))
+            opened.add(r)
+
+    obj, parent = spec.params["object_target"], spec.params["parent_target"]
+    targets = [o for o, _ in spec.objects if _otype(o) == obj]
+    if spec.task_type == "look_at_obj_in_light":
+        lamp = next(o for o, _ in spec.objects if _otype(o) == spec.params["toggle_target"])
+        goto(holder[targets[0]])
+        plan.append(("take", targets[0], holder[targets[0]]))
+        goto(holder[lamp])
+        plan.append(("use", lamp))
+        return plan
+    dest = next(r for r in spec.receptacles if _rtype(r) == parent)
+    for o in targets[: 2 if spec.task_type == "pick_two_obj_and_place" else 1]:
+        goto(holder[o])
+        plan.append(("take", o, holder[o]))
+        if spec.task_type in TOOLS:
+            tool_type, _, verb = TOOLS[spec.task_type]
+            tool = next(r for r in spec.receptacles if _rtype(r) == tool_type)
+            goto(tool, open_it=False)  # heat/cool/clean do not need the tool open
+            plan.append((verb, o, tool))
+        goto(dest)
+        plan.append(("move", o, dest))
+    return plan
+
+
+def plan_to_commands(plan: Sequence[tuple[str, ...]], names: dict[str, str]) -> list[str]:
+    """Render a plan in PDDL ids as ALFWorld commands; ``names`` maps lower-cased ids to engine names."""
+    out = []
+    for verb, *args in plan:
+        a = [names[x.lower()] for x in args]
+        if verb == "take":
+            out.append(f"take {a[0]} from {a[1]}")
+        elif verb == "move":
+            out.append(f"move {a[0]} to {a[1]}")
+        elif verb in ("clean", "heat", "cool"):
+            out.append(f"{verb} {a[0]} with {a[1]}")
+        else:  # go to, open, use
+            out.append(f"{verb} {a[0]}")
+    return out
+
+
+def to_pddl(spec: GameSpec) -> str:
+    """The PDDL problem of a spec, in the layout of ALFWorld's problem files (section 4 of the reference)."""
+    rec, objs = spec.receptacles, spec.objects
+    loc = {r: f"loc_{k}" for k, r in enumerate(rec)}
+    lines = ["(define (problem streamrl_alfworld)", "(:domain alfred)", "(:objects", "agent1 - agent"]
+    lines += [f"{t}Type - otype" for t in OBJECT_TYPES] + [f"{t}Type - rtype" for t in STATIC_RECEPTACLES]
+    lines += [f"{r} - receptacle" for r in rec] + [f"{o} - object" for o, _ in objs]
+    lines += [f"{loc[r]} - location" for r in rec] + ["loc_start - location", ")"]
+    init = ["(:init", "(atLocation agent1 loc_start)"]  # mid-room start: "You are in the middle of a room"
+    for r in rec:
+        init += [f"(receptacleType {r} {_rtype(r)}Type)", f"(receptacleAtLocation {r} {loc[r]})"]
+        if _rtype(r) in C.OPENABLE_CLASS_SET:
+            init.append(f"(openable {r})")
+    for o, r in objs:
+        t = _otype(o)
+        init += [f"(objectType {o} {t}Type)", f"(inReceptacle {o} {r})", f"(objectAtLocation {o} {loc[r]})"]
+        if t not in LAMPS:
+            init.append(f"(pickupable {o})")
+        init += [f"({pred} {o})" for prop, pred in _PROPERTY_PREDICATES if t in C.VAL_ACTION_OBJECTS[prop]]
+        if t in C.MOVABLE_RECEPTACLES_SET:
+            init.append(f"(isReceptacleObject {o})")
+    otypes = sorted({_otype(o) for o, _ in objs})
+    for rt in sorted({_rtype(r) for r in rec}):
+        init += [
+            f"(canContain {rt}Type {ot}Type)" for ot in otypes if ot in C.VAL_RECEPTACLE_OBJECTS.get(rt, ())
+        ]
+    init.append(")")
+    p = spec.params
+    goal = glib.gdict[spec.task_type]["pddl"].format(
+        obj=p["object_target"], recep=p["parent_target"], toggle=p["toggle_target"], mrecep=""
+    )
+    return "\n".join(lines + init) + "\n" + goal.replace("#", "-").strip() + "\n"
+
+
+def task_id_for(split: str, index: int, task_type: str, floor_plan: int) -> str:
+    return f"alfworld/{split}/{index:04d}-{task_type}-FloorPlan{floor_plan}"
+
+
+def parse_task_id(task_id: str) -> tuple[str, int]:
+    """``"alfworld/train/0007-..."`` -> ``("train", 7)``; raises ``ValueError`` naming the bad id."""
+    parts = task_id.split("/")
+    if len(parts) != 3 or parts[0] != "alfworld" or parts[1] not in SPLITS or not parts[2][:4].isdigit():
+        raise ValueError(
+            f"malformed ALFWorld task id {task_id!r}; expected 'alfworld/<split>/<NNNN>-<task_type>-FloorPlan<N>' "
+            f"with split in {SPLITS}"
+        )
+    return parts[1], int(parts[2][:4])
+
+
+def build_game(spec: GameSpec, task_id: str, walkthrough: Sequence[str] = ()) -> dict[str, Any]:
+    """The ``game.tw-pddl`` JSON object (``solvable`` is what ``AlfredTWEnv`` filters on)."""
+    return {
+        "pddl_domain": DOMAIN,
+        "grammar": GRAMMAR.replace("UNKNOWN GOAL", spec.task_desc),
+        "pddl_problem": to_pddl(spec),
+        "solvable": True,
+        "walkthrough": list(walkthrough),
+        "streamrl": {
+            "task_id": task_id,
+            "task_type": spec.task_type,
+            "floor_plan": spec.floor_plan,
+            "generator_version": GENERATOR_VERSION,
+        },
+    }
+
+
+def traj_data(spec: GameSpec, task_id: str) -> dict[str, Any]:
+    """The subset of ALFRED's ``traj_data.json`` that ``AlfredTWEnv`` and its hand-coded expert read."""
+    return {
+        "task_id": task_id,
+        "task_type": spec.task_type,
+        "scene": {"floor_plan": f"FloorPlan{spec.floor_plan}", "scene_num": spec.floor_plan},
+        "pddl_params": dict(spec.params),
+        "turk_annotations": {"anns": [{"task_desc": spec.task_desc}]},
+    }
+
+
+def generate_game(split: str, index: int) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """Game ``index`` of ``split``: ``(task_id, game_json, traj_data)``, verified on the real engine.
+
+    The task type cycles through ``TASK_TYPES``. Draws come from ``random.Random`` seeded with a string
+    (hashed with sha512, so independent of ``PYTHONHASHSEED``) and every set is sorted before sampling,
+    so a (version, split, index) always gives the same bytes. A draw is rejected if it cannot host the
+    task, if the goal already holds at reset, or if the walkthrough does not win.
+    """
+    from streamrl.envs.alfworld import acquire_engine, release_engine  # the env module imports this one
+
+    _check_split(split)
+    task_type = TASK_TYPES[index % len(TASK_TYPES)]
+    engine = acquire_engine()
+    try:
+        return _first_valid_game(engine, split, index, task_type)
+    finally:
+        release_engine(engine)
+
+
+def _first_valid_game(
+    engine: Any, split: str, index: int, task_type: str
+) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    for attempt in range(_MAX_ATTEMPTS):
+        rng = random.Random(f"streamrl-alfworld/v{GENERATOR_VERSION}/{split}/{index}/{attempt}")
+        spec = _sample_spec(task_type, split, rng)
+        if spec is None:
+            continue
+        task_id = task_id_for(split, index, task_type, spec.floor_plan)
+        game = build_game(spec, task_id)
+        engine.load(game)
+        _, admissible, won = engine.reset()
+        if won:
+            continue
+        game["walkthrough"] = plan_to_commands(spec.plan, engine.entity_names())
+        for command in game["walkthrough"]:
+            if command not in admissible:
+                break
+            _, admissible, won = engine.step(command)
+        if won:
+            return task_id, game, traj_data(spec, task_id)
+    raise RuntimeError(f"no valid {task_type} game for {split}/{index} after {_MAX_ATTEMPTS} draws")
+
+
+# -- the on-disk cache ----------------------------------------------------------------------------------
+def split_dir(split: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Folder holding the games of ``split`` (one sub-folder per game)."""
+    _check_split(split)
+    return GenerationConfig(cache_dir=None if cache_dir is None else str(cache_dir)).root() / split
+
+
+def _game_folder(root: Path, task_id: str) -> Path:
+    split, _ = parse_task_id(task_id)
+    return root / split / task_id.split("/")[2]
+
+
+@contextlib.contextmanager
+def _locked(root: Path) -> Iterator[None]:
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _generate_into(root: Path, split: str, index: int) -> str:
+    task_id, game, traj = generate_game(split, index)
+    final = _game_folder(root, task_id)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+    try:
+        (tmp / "game.tw-pddl").write_text(json.dumps(game, indent=1, sort_keys=True) + "\n")
+        (tmp / "traj_data.json").write_text(json.dumps(traj, indent=1, sort_keys=True) + "\n")
+        if final.exists():  # a stale folder from an interrupted run: replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return task_id
+
+
+def _read_manifest(root: Path, split: str) -> list[str]:
+    try:
+        data = json.loads((root / split / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return []
+    return [str(t) for t in data.get("task_ids", [])]
+
+
+def ensure_split(split: str, config: GenerationConfig | None = None, *, progress: bool = False) -> list[Path]:
+    """Paths of the ``game.tw-pddl`` files of ``split`` (``config.size(split)`` games, in index order),
+    generating the missing ones first. Safe under concurrent processes (an exclusive lock file serializes
+    writers; every file is written to a temporary name and renamed)."""
+    config = config or GenerationConfig()
+    n = config.size(split)
+    root = config.root()
+    known = _read_manifest(root, split)
+    if len(known) < n:
+        with _locked(root):
+            known = _read_manifest(root, split)  # another process may have finished meanwhile
+            if len(known) < n:
+                known = _generate_missing(root, split, known, n, config.workers, progress)
+    return [_game_folder(root, t) / "game.tw-pddl" for t in known[:n]]
+
+
+def _generate_missing(
+    root: Path, split: str, known: list[str], n: int, workers: int | None, progress: bool
+) -> list[str]:
+    (root / split).mkdir(parents=True, exist_ok=True)
+    todo = list(range(len(known), n))
+    n_workers = max(1, min(workers or os.cpu_count() or 1, len(todo)))
+    start = time.perf_counter()
+    if n_workers == 1:
+        new = [_generate_into(root, split, i) for i in todo]
+    else:
+        import multiprocessing
+
+        # spawn: the parent may hold threads (torch) and a loaded planner library; fork would copy both.
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(n_workers, mp_context=ctx) as pool:
+            new = list(pool.map(_generate_into, [root] * len(todo), [split] * len(todo), todo, chunksize=4))
+    task_ids = known + new
+    _write_json_atomic(
+        root / split / "manifest.json",
+        {"generator_version": GENERATOR_VERSION, "split": split, "task_ids": task_ids},
+    )
+    if progress:
+        print(f"{split}: generated {len(todo)} games in {time.perf_counter() - start:.1f}s -> {root / split}")
+    return task_ids
+
+
+def game_digest(path: str | os.PathLike[str]) -> str:
+    """sha1 of a game file's bytes (for reproducibility checks)."""
+    return hashlib.sha1(Path(path).read_bytes()).hexdigest()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Generate the fixed splits into the cache (``python -m streamrl.envs.alfworld_gen --help``)."""
+    defaults = GenerationConfig()
+    parser = argparse.ArgumentParser(
+        prog="python -m streamrl.envs.alfworld_gen",
+        description="Generate the offline ALFWorld game splits into the streamrl cache.",
+    )
+    parser.add_argument("--split", nargs="+", choices=SPLITS, default=list(SPLITS), help="splits to generate")
+    parser.add_argument("--cache-dir", default=None, help="cache folder (default: $STREAMRL_CACHE/alfworld)")
+    for split in SPLITS:
+        parser.add_argument(
+            f"--{split.replace('_', '-')}-size",
+            type=int,
+            default=getattr(defaults, split),
+            dest=f"{split}_size",
+        )
+    parser.add_argument("--workers", type=int, default=None, help="processes (default: all CPUs)")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    config = GenerationConfig(
+        **{s: getattr(args, f"{s}_size") for s in SPLITS}, cache_dir=args.cache_dir, workers=args.workers
+    )
+    for split in args.split:
+        paths = ensure_split(split, config, progress=True)
+        print(f"{split}: {len(paths)} games in {paths[0].parent.parent if paths else config.root() / split}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
