@@ -18,7 +18,7 @@ def _demo(args: argparse.Namespace) -> int:
     from streamrl.agents.rollout import play_episode
 
     env = gym.make("streamrl/MathTIR-v0", split=args.split)
-    agent = MathSolverAgent()
+    agent = MathSolverAgent(env.unwrapped.tasks)  # type: ignore[attr-defined]
     try:
         wins, seconds = 0, 0.0
         for i in range(args.episodes):
