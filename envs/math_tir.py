@@ -36,6 +36,7 @@ from streamrl.envs.sandbox import (
     SandboxConfig,
     SandboxPool,
     acquire_shared_pool,
+    error_summary,
     release_shared_pool,
     truncate_middle,
 )
@@ -285,8 +286,7 @@ class MathTIREnv(gym.Env[str, str]):
         if result.ok:
             shown = result.output if result.output.strip() else "(no output; print() the values you need)"
         else:
-            lines = [line for line in result.output.splitlines() if line.strip()]
-            shown = lines[-1].strip() if lines else f"{result.status}"  # ToRL: the last traceback line
+            shown = error_summary(result.output) or result.status  # ToRL: the last line of the traceback
         shown = truncate_middle(shown.rstrip("\n"), self.config.max_output_chars)
         return f"```output\n{shown}\n```", {
             "valid": True,

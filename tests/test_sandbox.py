@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from streamrl.envs.sandbox import SandboxConfig, SandboxPool, ToolResult, truncate_middle
+from streamrl.envs.sandbox import SandboxConfig, SandboxPool, ToolResult, error_summary, truncate_middle
 
 CONFIG = SandboxConfig(timeout_s=1.5, cpu_time_s=1, pool_size=2, max_output_chars=2048)
 
@@ -246,3 +246,10 @@ def test_truncate_middle_keeps_head_and_tail(n: int) -> None:
     else:
         assert cut.startswith(text[:50]) and cut.endswith(text[-50:])
         assert f"[{n - 100} characters truncated]" in cut
+
+
+def test_error_summary_picks_the_exception_line() -> None:
+    interleaved = "Traceback (most recent call last):\nBlockingIOError: [Errno 11] x\nTraceback (most recent call last):\n"
+    assert error_summary(interleaved) == "BlockingIOError: [Errno 11] x"
+    assert error_summary("bye\nExited with code 7\n") == "Exited with code 7"
+    assert error_summary("") == ""
