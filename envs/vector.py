@@ -467,12 +467,13 @@ class StreamingVectorEnv:
         if not 1 <= min_ready <= pending:
             raise ValueError(f"min_ready must be between 1 and the {pending} pending calls, got {min_ready}")
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._pump(0.0)
         while len(self._ready) < min_ready:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 break
             self._pump(remaining)
+        if any(book.inflight for book in self._books):
+            self._pump(0.0)  # everything else that is ready now comes along
         return self._deliver(list(self._ready))
 
     def reset(
@@ -687,7 +688,6 @@ class StreamingVectorEnv:
 
     def _wait_for(self, ids: list[int], timeout: float | None) -> list[EnvResult]:
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._pump(0.0)
         while not all(i in self._ready for i in ids):
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:

@@ -36,15 +36,18 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
 import queue
+import select
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from abc import ABC, abstractmethod
 from collections import deque
@@ -389,8 +392,12 @@ class _SpawnedProcess:
     def join(self, timeout: float | None = None) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._popen.wait(timeout)
-        if self._popen.returncode is not None and self._pidfd is not None:
-            os.close(self._pidfd)
+
+    def release(self) -> None:
+        """Close the process handle (after the worker is finished with it)."""
+        if self._pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._pidfd)
             self._pidfd = None
 
 
@@ -398,12 +405,12 @@ class _ForkserverProcess:
     """A ``multiprocessing`` forkserver child: fast to (re)start, but like every ``multiprocessing``
     start method it re-imports the caller's ``__main__`` (scripts need the ``__main__`` guard)."""
 
-    def __init__(self, index: int, blob: bytes) -> None:
+    def __init__(self, index: int, blob: bytes, buffered: bool) -> None:
         context = multiprocessing.get_context("forkserver")
         self.conn, child_conn = context.Pipe(duplex=True)
         self._process = context.Process(
             target=_subprocess_main,
-            args=(child_conn, blob, index),
+            args=(child_conn, blob, index, buffered),
             name=f"streamrl-env-worker-{index}",
             daemon=False,  # envs may start processes of their own; daemonic processes may not
         )
@@ -422,6 +429,9 @@ class _ForkserverProcess:
     def join(self, timeout: float | None = None) -> None:
         self._process.join(timeout)
 
+    def release(self) -> None:
+        self._process.close()
+
 
 StartMethod = Literal["spawn", "forkserver"]
 
@@ -439,18 +449,30 @@ class SubprocessWorker(EnvWorker):
     ) -> None:
         super().__init__(index, factories)
         blob = cloudpickle.dumps(self.factories)
+        buffered = len(self.factories) > 1
         self._process: _SpawnedProcess | _ForkserverProcess
         if start_method == "spawn":
             self._process = _SpawnedProcess(index)
             # sys.path travels along (as multiprocessing does), so factories pickled by reference resolve.
-            self._process.conn.send((list(sys.path), blob))
+            self._process.conn.send((list(sys.path), blob, buffered))
         elif start_method == "forkserver":
-            self._process = _ForkserverProcess(index, blob)
+            self._process = _ForkserverProcess(index, blob, buffered)
         else:
             raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
         self._conn: multiprocessing.connection.Connection = self._process.conn
         self._psutil: psutil.Process | None = None
         self._lost: str | None = None
+        # The pipe, and the process handle where there is one (it fires on death even if a grandchild
+        # inherited the pipe and keeps it open). A raw poll object: the send/recv round trip is the
+        # per-step overhead of the whole vector env, and multiprocessing's wait() builds a selector per call.
+        self._fds = [self._conn.fileno()]
+        if self._process.sentinel is not None:
+            self._fds.append(self._process.sentinel)
+        self._poller = select.poll()
+        for fd in self._fds:
+            self._poller.register(fd, select.POLLIN)
+        self._pipe_poller = select.poll()
+        self._pipe_poller.register(self._fds[0], select.POLLIN)
 
     # -- commands ---------------------------------------------------------------------------------------
     def submit(self, command: Command) -> None:
@@ -468,7 +490,7 @@ class SubprocessWorker(EnvWorker):
         replies: list[Reply] = []
         heard = False
         try:
-            while self._conn.poll():
+            while self._pipe_poller.poll(0):
                 message = self._conn.recv()
                 heard = True
                 if isinstance(message, WorkerHello):
@@ -500,22 +522,28 @@ class SubprocessWorker(EnvWorker):
 
     @classmethod
     def wait(cls, workers: Sequence[EnvWorker], timeout: float | None) -> list[EnvWorker]:
-        by_handle: dict[Any, EnvWorker] = {}
+        owners: dict[int, SubprocessWorker] = {}
         ready: list[EnvWorker] = []
         for w in workers:
             if not isinstance(w, SubprocessWorker):
                 continue
             if w._lost is not None:
                 ready.append(w)
-                continue
-            by_handle[w._conn] = w
-            if w._process.sentinel is not None:
-                by_handle[w._process.sentinel] = w  # ready when the process dies, even if a grandchild
-                # inherited the pipe and keeps it open
+            else:
+                owners.update(dict.fromkeys(w._fds, w))
         if ready:
             timeout = 0.0
-        for handle in multiprocessing.connection.wait(list(by_handle), timeout):
-            worker = by_handle[handle]
+        millis = None if timeout is None else max(0, math.ceil(timeout * 1000))
+        distinct = set(owners.values())
+        if len(distinct) == 1:  # one worker: its own poll object, nothing to build
+            events = distinct.pop()._poller.poll(millis)
+        else:
+            poller = select.poll()
+            for fd in owners:
+                poller.register(fd, select.POLLIN)
+            events = poller.poll(millis)
+        for fd, _ in events:
+            worker = owners[fd]
             if worker not in ready:
                 ready.append(worker)
         return ready
@@ -547,8 +575,14 @@ class SubprocessWorker(EnvWorker):
         self._process.join(timeout=5.0)
         if self._lost is None:
             self._lost = f"worker {self.index} (pid {pid}) was killed by the vector env"
+        self._release()
+
+    def _release(self) -> None:
+        """Close the pipe and the process handle; the worker is never polled again (``_lost`` is set)."""
         with contextlib.suppress(OSError):
             self._conn.close()
+        with contextlib.suppress(OSError, ValueError):
+            self._process.release()
 
     def close(self, timeout: float) -> None:
         """Ask the envs to close, wait up to ``timeout`` seconds, then kill. Always reaps the process."""
@@ -564,22 +598,24 @@ class SubprocessWorker(EnvWorker):
             if self._process.pid is not None:
                 with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
                     os.killpg(self._process.pid, signal.SIGKILL)
-        with contextlib.suppress(OSError):
-            self._conn.close()
         if self._lost is None:
             self._lost = f"worker {self.index} is closed"
+        self._release()
 
 
 def _spawned_main() -> None:
     """Entry point of a ``spawn`` worker (``python -c``): argv = [socket fd, worker index]."""
     conn = multiprocessing.connection.Connection(int(sys.argv[1]))
-    parent_path, blob = conn.recv()
+    parent_path, blob, buffered = conn.recv()
     sys.path[:] = list(dict.fromkeys([*parent_path, *sys.path]))
-    _subprocess_main(conn, blob, int(sys.argv[2]))
+    _subprocess_main(conn, blob, int(sys.argv[2]), buffered)
 
 
-def _subprocess_main(conn: multiprocessing.connection.Connection, blob: bytes, index: int) -> None:
-    """Entry point of a worker process: build the envs, then execute commands until told to close."""
+def _subprocess_main(
+    conn: multiprocessing.connection.Connection, blob: bytes, index: int, buffered: bool
+) -> None:
+    """Entry point of a worker process: build the envs, then execute commands until told to close.
+    ``buffered``: read commands on a thread (the worker hosts several envs)."""
     with contextlib.suppress(OSError):
         os.setpgid(
             0, 0
@@ -597,21 +633,40 @@ def _subprocess_main(conn: multiprocessing.connection.Connection, blob: bytes, i
         return
     conn.send(host.hello())
 
-    # A reader thread keeps the pipe drained, so the parent never blocks in send() while this process
-    # is busy sending a large reply (the classic two-full-pipes deadlock), and it notices the parent's
-    # death (EOF) even while an env call hangs. Env code runs on the main thread only.
-    commands: queue.Queue[Any] = queue.Queue()
+    # Parent death: exit even while an env call hangs (the parent can no longer kill us). Polling the
+    # parent pid costs nothing per step, unlike a second thread reading the pipe, and, unlike
+    # PR_SET_PDEATHSIG, does not fire when merely the parent *thread* that started us exits.
+    parent = os.getppid()
 
-    def read_commands() -> None:
+    def watch_parent() -> None:
         while True:
-            try:
-                commands.put(conn.recv())
-            except (EOFError, OSError):
-                os._exit(0)  # parent gone: nobody will read our results
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(0)
 
-    threading.Thread(target=read_commands, name="command-reader", daemon=True).start()
+    threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
+
+    next_command: Callable[[], Any] = conn.recv
+    if buffered:
+        # Several envs share this worker: the parent may send the next command while we send a large
+        # result. A reader thread keeps the pipe drained so that both sides can never block in send()
+        # at once (the two-full-pipes deadlock). Env code still runs on the main thread only.
+        commands: queue.Queue[Any] = queue.Queue()
+
+        def read_commands() -> None:
+            while True:
+                try:
+                    commands.put(conn.recv())
+                except (EOFError, OSError):
+                    os._exit(0)  # parent gone: nobody will read our results
+
+        threading.Thread(target=read_commands, name="command-reader", daemon=True).start()
+        next_command = commands.get
     while True:
-        command = commands.get()
+        try:
+            command = next_command()
+        except (EOFError, OSError):
+            return  # parent gone
         if command == _CLOSE:
             host.close()
             return

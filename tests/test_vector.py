@@ -363,10 +363,13 @@ def test_workers_do_not_outlive_their_parent(how: str) -> None:
     assert _wait_gone(pids) == []
 
 
-def test_killing_a_worker_ends_its_episodes_once() -> None:
+def test_killing_a_worker_ends_its_episodes_once(tmp_path: Path) -> None:
     """The basic contract behind the chaos tests: a SIGKILLed worker's in-flight episode comes back at
-    recv, an episode that was waiting for an action comes back at its next send; both exactly once."""
-    with StreamingVectorEnv([_scripted(episode_len=5)] * 3, VectorEnvConfig(envs_per_worker=2)) as venv:
+    recv, an episode that was waiting for an action comes back at its next send; both exactly once.
+    (Env 0's second step waits on a gate that never opens, so the kill surely finds it in flight.)"""
+    held = _scripted(episode_len=5, fault="gate", fault_step=2, gate_path=str(tmp_path / "never"))
+    factories = [held, _scripted(episode_len=5), _scripted(episode_len=5)]
+    with StreamingVectorEnv(factories, VectorEnvConfig(envs_per_worker=2)) as venv:
         start = venv.reset()
         venv.step([0, 1, 2], ["a", "a", "a"])
         venv.send([0], ["b"])

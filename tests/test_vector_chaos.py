@@ -1,0 +1,141 @@
+"""Chaos tests: no episode is lost or returned twice while workers are SIGKILLed at random, hang, raise,
+leak memory or kill themselves. Run repeatedly (5x in a row in CI checks); about 30 s per run.
+
+The invariant checked everywhere: every episode id handed out by ``reset_async`` (or by autoreset) comes
+back with exactly one final result (``terminated or truncated``), its steps numbered 1, 2, ... without
+gaps, and every failure is ``truncated`` with an ``error_kind``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import signal
+from collections import Counter, defaultdict
+from typing import Any
+
+import pytest
+from streamrl.envs.vector import EnvResult, StreamingVectorEnv, SubEnvState, VectorEnvConfig
+from vector_testenvs import ScriptedTextEnv
+
+pytestmark = pytest.mark.timeout(240)
+
+EPISODE_LEN = 3
+
+
+def _env(**kwargs: Any) -> functools.partial[ScriptedTextEnv]:
+    return functools.partial(ScriptedTextEnv, episode_len=EPISODE_LEN, latency=0.002, **kwargs)
+
+
+def _drive(venv: StreamingVectorEnv, episodes: int, kill_every: int, rng: random.Random) -> dict[str, Any]:
+    """Run ``episodes`` episodes first-ready over all sub-envs, SIGKILLing a random worker every
+    ``kill_every`` recv calls (0 = never). Returns what was started, returned and seen."""
+    started: list[int] = []
+    finals: Counter[int] = Counter()
+    steps: defaultdict[int, list[int]] = defaultdict(list)
+    kinds: Counter[str] = Counter()
+    kills = 0
+    started += venv.reset_async(range(venv.num_envs))
+    calls = 0
+    while venv.num_pending:
+        results: list[EnvResult] = venv.recv(timeout=60)
+        assert results, f"no result within 60 s with {venv.num_pending} calls pending"
+        calls += 1
+        for r in results:
+            assert r.episode_id in started, f"result for an episode never started: {r}"
+            assert finals[r.episode_id] == 0, f"result after the final one: {r}"
+            steps[r.episode_id].append(r.step)
+            if r.error is not None:
+                assert r.truncated and not r.terminated and r.reward == 0.0, r
+                kinds[r.info["error_kind"]] += 1
+            if r.done:
+                finals[r.episode_id] += 1
+                if len(started) < episodes:
+                    started += venv.reset_async([r.env_id], options={"task_id": f"t{len(started) % 7}"})
+            else:
+                venv.send([r.env_id], [rng.choice(["go", "win"])])
+        if kill_every and calls % kill_every == 0:
+            pid = rng.choice(venv.worker_pids())
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            kills += 1
+    return {"started": started, "finals": finals, "steps": steps, "kinds": kinds, "kills": kills}
+
+
+def _assert_exactly_once(run: dict[str, Any]) -> None:
+    started, finals = run["started"], run["finals"]
+    assert len(set(started)) == len(started), "an episode id was handed out twice"
+    assert set(finals) == set(started), f"episodes never returned: {sorted(set(started) - set(finals))}"
+    assert set(finals.values()) == {1}, f"episodes returned twice: {[e for e, n in finals.items() if n > 1]}"
+    for eid, seen in run["steps"].items():
+        assert seen == list(range(len(seen))), f"episode {eid} steps {seen}"
+        assert len(seen) <= EPISODE_LEN + 1
+
+
+def test_hundreds_of_episodes_survive_kills_hangs_raises_leaks_and_suicides() -> None:
+    """8 envs on 4 workers, each failing env sharing its worker with a healthy bystander: env 1 raises at
+    step 2, env 3 SIGKILLs its own worker at step 3, env 4 leaks 48 MiB a step against a 200 MiB limit,
+    env 6 hangs at step 2 against a 1 s step timeout; on top, a random worker is SIGKILLed every 15 recv
+    calls."""
+    factories = [
+        _env(),
+        _env(fault="raise", fault_step=2),
+        _env(),
+        _env(fault="die", fault_step=3),
+        _env(fault="leak", fault_step=1, leak_mb=48),
+        _env(),
+        _env(fault="hang", fault_step=2),
+        _env(),
+    ]
+    config = VectorEnvConfig(
+        envs_per_worker=2, step_timeout=1.0, max_rss_mb=200, memory_check_interval=0.02, max_start_failures=20
+    )
+    venv = StreamingVectorEnv(factories, config)
+    try:
+        run = _drive(venv, episodes=300, kill_every=15, rng=random.Random(1234))
+        _assert_exactly_once(run)
+        assert len(run["started"]) == 300
+        assert {"exception", "crash", "memory", "timeout"} <= set(run["kinds"]), run["kinds"]
+        assert venv.restarts >= run["kills"] > 0
+        assert all(venv.state(i) is SubEnvState.NEEDS_RESET for i in range(venv.num_envs))
+    finally:
+        pids = [p for p in venv.worker_pids() if p is not None]
+        venv.close()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_hung_env_times_out_and_its_worker_mates_come_back_once() -> None:
+    """Env 0 hangs in its 2nd step; env 1 shares its worker and is queued behind it; env 2 lives elsewhere."""
+    factories = [_env(fault="hang", fault_step=2), _env(), _env()]
+    with StreamingVectorEnv(factories, VectorEnvConfig(envs_per_worker=2, step_timeout=1.0)) as venv:
+        first = venv.reset()
+        venv.step(range(3), ["a"] * 3)
+        venv.send(range(3), ["b"] * 3)
+        results = {r.env_id: r for r in venv.recv(min_ready=3)}
+        assert results[0].info["error_kind"] == "timeout" and "step_timeout=1.0" in results[0].error
+        assert results[1].info["error_kind"] == "timeout" and results[1].truncated  # collateral
+        assert results[2].error is None and results[2].step == 2
+        assert [results[i].episode_id for i in range(3)] == [r.episode_id for r in first]
+        assert venv.restarts == 1
+        again = venv.reset([0, 1])
+        assert all(r.error is None for r in again)
+
+
+def test_memory_limit_replaces_a_leaking_worker_and_autoreset_carries_on() -> None:
+    """The leaking env's episode ends once, truncated with the limit in the error; with autoreset
+    NEXT_STEP the next send starts a new episode on the fresh worker."""
+    config = VectorEnvConfig(autoreset_mode="NextStep", max_rss_mb=200, memory_check_interval=0.02)
+    with StreamingVectorEnv([_env(fault="leak", fault_step=1, leak_mb=64), _env()], config) as venv:
+        venv.reset()
+        seen: list[EnvResult] = []
+        while not any(r.info.get("error_kind") == "memory" for r in seen):
+            venv.send([0, 1], ["go", "go"])
+            seen += venv.recv(min_ready=2)
+        lost = [r for r in seen if r.error is not None]
+        assert len(lost) == 1 and lost[0].env_id == 0 and lost[0].truncated
+        assert "max_rss_mb=200" in lost[0].error
+        (restart,) = venv.step([0], ["go"])  # autoreset after the truncation
+        assert restart.is_reset and restart.episode_id > lost[0].episode_id and restart.error is None
