@@ -111,11 +111,14 @@ def main() -> None:
     fresh_mean = statistics.fmean(
         statistics.fmean(v) for v in _by_snippet(all_fresh, max(5, args.calls // 3))
     )
+    # sympy is the last snippet; sympy.solve itself takes tens of ms of CPU, the others measure the overhead
+    p99_no_sympy = 1000 * percentile(all_pool[: -args.calls], 99)
     overall = {
         "pool": {
             "calls_per_s": 1 / pool_mean,
             "p50_ms": 1000 * statistics.median(all_pool),
             "p99_ms": 1000 * percentile(all_pool, 99),
+            "p99_ms_without_sympy": p99_no_sympy,
             "threaded_calls_per_s": threaded_calls_per_s,
             "startup_s": startup_s,
         },
@@ -143,6 +146,7 @@ def main() -> None:
         "targets": {
             "speedup_at_least_5x": speedup >= 5,
             "pool_p99_below_50ms": pool_p99 < 50,
+            "pool_p99_without_sympy_below_50ms": p99_no_sympy < 50,
         },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
