@@ -387,3 +387,75 @@ def test_killing_a_worker_ends_its_episodes_once(tmp_path: Path) -> None:
         assert venv.state(1) is SubEnvState.NEEDS_RESET
         fresh = venv.reset([0, 1])
         assert all(r.error is None for r in fresh)
+
+
+# ------------------------------------------------------------------------------------------------------
+# The real envs: Math-TIR and ALFWorld
+# ------------------------------------------------------------------------------------------------------
+
+
+def _play(venv: StreamingVectorEnv, agent: Any, first: list[EnvResult]) -> list[EnvResult]:
+    """Let ``agent`` play the episodes started by ``first`` to the end, first-ready; the final results."""
+    finals: list[EnvResult] = []
+    ready = [r for r in first if not r.done]
+    while True:
+        for r in ready:
+            if r.done:
+                finals.append(r)
+                agent.end_episode(r.episode_id)
+            else:
+                venv.send([r.env_id], agent.act([r.obs], [r.info], [r.episode_id]))
+        if not venv.num_pending:
+            return finals
+        ready = venv.recv(timeout=120)
+        assert ready, "no result within 120 s"
+
+
+@pytest.mark.slow
+def test_math_tir_group_solves_one_task_through_the_sandbox() -> None:
+    """A GRPO-style group of 2 Math-TIR envs (one worker) on one task, played by the scripted solver:
+    a real sandboxed tool call, then the boxed answer, rewarded by the real answer checker."""
+    from streamrl.agents.math_solver import MathSolverAgent
+    from streamrl.envs.math_tasks import task_set
+
+    tasks = task_set("mixed", "test", 4)
+    config = VectorEnvConfig(envs_per_worker=2, step_timeout=60)
+    with StreamingVectorEnv.from_env("streamrl/MathTIR-v0", 2, config, split="test", size=4) as venv:
+        first = venv.reset(options={"task_id": tasks[3].task_id})
+        assert first[0].obs == first[1].obs and venv.single_observation_space.contains(first[0].obs)
+        assert first[0].info["question"] == tasks[3].question
+        finals = _play(venv, MathSolverAgent(tasks), first)
+    assert sorted(r.env_id for r in finals) == [0, 1]
+    for r in finals:
+        assert (
+            r.terminated and r.reward == 1.0 and r.info["won"] and r.info["tool_calls"] == 1 and r.step == 2
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.alfworld
+def test_alfworld_group_is_won_by_the_expert_and_survives_a_killed_worker() -> None:
+    """Two ALFWorld workers (the engine is not thread-safe: processes only) reset to one task by options;
+    the walkthrough expert wins both. Then one worker is SIGKILLed mid-episode: that episode comes back
+    truncated, the fresh worker plays the task again and wins."""
+    from streamrl.agents.alfworld_agents import ALFWorldExpertAgent
+
+    with StreamingVectorEnv.from_env("streamrl/ALFWorld-v0", 2, split="eval_unseen") as venv:
+        (probe,) = venv.reset([0], seeds=0)
+        task = probe.info["task_id"]
+        first = venv.reset(options={"task_id": task})
+        assert first[0].obs == first[1].obs and first[0].info["walkthrough"] == first[1].info["walkthrough"]
+        finals = _play(venv, ALFWorldExpertAgent(), first)
+        assert [r.info["won"] for r in finals] == [True, True]
+        assert all(r.reward == 1.0 and r.step == len(first[0].info["walkthrough"]) for r in finals)
+
+        (start,) = venv.reset([0], options={"task_id": task})
+        venv.step([0], [start.info["walkthrough"][0]])
+        pid = venv.worker_pids()[0]
+        assert pid is not None
+        os.kill(pid, 9)
+        (lost,) = venv.step([0], [start.info["walkthrough"][1]])
+        assert lost.truncated and lost.info["error_kind"] == "crash" and lost.episode_id == start.episode_id
+        again = venv.reset([0], options={"task_id": task})
+        (final,) = _play(venv, ALFWorldExpertAgent(), again)
+        assert final.info["won"] and venv.restarts == 1
