@@ -34,6 +34,7 @@ import fcntl
 import functools
 import hashlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -120,6 +121,7 @@ _PROPERTY_PREDICATES = (
     ("Toggleable", "toggleable"),
 )
 _MAX_ATTEMPTS = 200
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -548,6 +550,13 @@ def _generate_missing(
     (root / split).mkdir(parents=True, exist_ok=True)
     todo = list(range(len(known), n))
     n_workers = max(1, min(workers or os.cpu_count() or 1, len(todo)))
+    _log.warning(
+        "generating %d ALFWorld %s games into %s with %d process(es) (first use only; ~1 CPU-second per game)",
+        len(todo),
+        split,
+        root / split,
+        n_workers,
+    )
     start = time.perf_counter()
     if n_workers == 1:
         new = [_generate_into(root, split, i) for i in todo]
