@@ -7,12 +7,16 @@ cache on first use); it can also play explicit ``game.tw-pddl`` files or the off
 
     import gymnasium as gym
     env = gym.make("streamrl/ALFWorld-v0", split="eval_unseen")
-    obs, info = env.reset(options={"task_id": "alfworld/eval_unseen/0003-pick_heat_then_place_in_recep-FloorPlan5"})
+    obs, info = env.reset(options={"task_id": "alfworld/eval_unseen/0003-pick_heat_then_place_in_recep-FloorPlan1"})
     obs, reward, terminated, truncated, info = env.step(info["walkthrough"][0])
 
 One engine per env, reused across games with ``load`` (each new ``PddlEnv`` dlopens a private copy of
 the 34 MB planner library that is never freed); engines of closed envs are reused by later envs in the
 same process. The engine is not thread-safe: run parallel envs in processes.
+
+Speed with ``textworld_patches`` (applied on import), 2-core machine under load: ~7 ms per step, ~20 ms per
+reset, ~35 ms to switch to a recently played game, ~1 s for a never-seen game (PDDL->SAS translation,
+then cached on disk); stock TextWorld: ~130 ms per step, ~1.8 s per reset (``benchmarks/bench_alfworld.py``).
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ import functools
 import hashlib
 import json
 import logging
+import multiprocessing
 import os
 import random
 import shutil
@@ -271,7 +272,7 @@ def _sample_spec(task_type: str, split: str, rng: random.Random) -> GameSpec | N
 
     # Objects: every pickupable type present gets 1-3 instances (lamps: 1) in compatible receptacles.
     objects: list[tuple[str, str]] = []
-    for otype in sorted(set(candidates) | {t for t in PICKUPABLE if t in present_set} | set(lamps)):
+    for otype in sorted({t for t in PICKUPABLE if t in present_set} | set(lamps)):
         places = hosts(otype)
         if not places:
             continue
@@ -550,8 +551,10 @@ def _generate_missing(
     (root / split).mkdir(parents=True, exist_ok=True)
     todo = list(range(len(known), n))
     n_workers = max(1, min(workers or os.cpu_count() or 1, len(todo)))
+    if multiprocessing.current_process().daemon:  # e.g. inside a vector-env worker: no children allowed
+        n_workers = 1
     _log.warning(
-        "generating %d ALFWorld %s games into %s with %d process(es) (first use only; ~1 CPU-second per game)",
+        "generating %d ALFWorld %s games into %s with %d process(es) (first use only; ~0.5 CPU-second per game)",
         len(todo),
         split,
         root / split,
@@ -561,8 +564,6 @@ def _generate_missing(
     if n_workers == 1:
         new = [_generate_into(root, split, i) for i in todo]
     else:
-        import multiprocessing
-
         # spawn: the parent may hold threads (torch) and a loaded planner library; fork would copy both.
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(n_workers, mp_context=ctx) as pool:
