@@ -16,12 +16,22 @@ forked. Per call, the zygote forks a child that, before running the code:
 * enters a new network namespace (only a down loopback is left), via ``unshare(CLONE_NEWNET)`` as root or
   ``unshare(CLONE_NEWUSER | CLONE_NEWNET)`` where unprivileged user namespaces are enabled; where neither
   is permitted the call runs with the host network and :attr:`SandboxPool.isolation` says so;
-* works in a private temporary directory (removed after the call), stdin from ``/dev/null``, no inherited
-  file descriptors, an environment holding only ``PATH``, ``HOME``, ``TMPDIR`` and ``LANG``;
+* as root, gets a mount namespace where every filesystem is read-only and ``/tmp`` (its work directory),
+  ``/var/tmp`` and ``/dev/shm`` are fresh, empty, size-limited tmpfs mounts that vanish with the call;
+  otherwise it works in a private temporary directory that is removed after the call;
+* has stdin from ``/dev/null``, no inherited file descriptors, and an environment holding only ``PATH``,
+  ``HOME``, ``TMPDIR`` and ``LANG`` (the zygote itself is spawned with a scrubbed environment);
 * sets rlimits on CPU time, address space, open files, file size, process count and core dumps;
 * as root, drops to an unprivileged uid/gid (``nobody`` by default), because ``RLIMIT_NPROC`` is not
-  enforced for root and the zygote and its parent must not be signalable or writable by the code;
+  enforced for root and the zygote and its parent must not be signalable or writable by the code
+  (directories on the way to the interpreter that ``nobody`` cannot traverse, such as a pyenv Python
+  under a ``0700`` ``/root``, are exposed read-only through bind mounts, and nothing else of them);
 * sets ``PR_SET_NO_NEW_PRIVS`` so no set-uid binary can regain privileges.
+
+Not root (e.g. a laptop account): no PID or mount namespace and no uid switch, so the code runs as the
+caller's user, can write that user's files and signal its processes; RLIMIT_NPROC then counts all of the
+user's processes. Run the toolkit as root in a container (as here) for the full isolation; ``isolation``
+says what a pool got.
 
 The zygote enforces a wall-clock timeout (SIGKILL of the child and its group) and keeps the head and the
 tail of the output. A zygote that dies is replaced transparently; :meth:`SandboxPool.close` (also run at
@@ -59,7 +69,8 @@ _CLONE_NEWNET = 0x40000000
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_CHILD_SUBREAPER = 36
 _CLONE_NEWNS = 0x00020000
-_MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_NOATIME = 1, 2, 4, 8, 32, 1024
+_MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
 
 
 @dataclass(frozen=True)
@@ -202,9 +213,11 @@ class _Zygote:
         self.req_fd, self.resp_fd = req_fd, resp_fd
         self.libc = ctypes.CDLL(None, use_errno=True)
         self.is_root = os.geteuid() == 0
+        self.readonly = False
         self.private_fs = self.is_root and self._private_mounts()
         self.drop_uid = self.is_root and self._probe_uid_drop()
-        self.base_dir = tempfile.mkdtemp(prefix="streamrl-sandbox-")
+        # Work directories: a fresh /tmp per call with private mounts, else folders under base_dir.
+        self.base_dir = None if self.private_fs else tempfile.mkdtemp(prefix="streamrl-sandbox-")
         self.own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY)
         self.pid_ns = config.isolate_pids and self._probe_pid_namespace()
         if not self.pid_ns:
@@ -224,6 +237,8 @@ class _Zygote:
         """Give the zygote its own mount namespace (root only), in which each call gets another one
         (:meth:`_fresh_scratch`), and:
 
+        * every filesystem is remounted read-only (except ``/proc``, ``/sys``, ``/dev``), so the code can
+          write only to its fresh scratch mounts (defence in depth on top of the uid switch);
         * directories the sandbox uid cannot traverse on the way to the interpreter (e.g. a pyenv Python
           under a ``0700`` ``/root``) are covered by a tmpfs holding bind mounts of just the interpreter's
           trees, so the unprivileged child can import the standard library and site-packages while the
@@ -256,7 +271,23 @@ class _Zygote:
                     os.close(fd)
         except OSError:
             return False
+        self.readonly = self._readonly_mounts()
         return True
+
+    def _readonly_mounts(self) -> bool:
+        """Remount every mount read-only (best effort); True when ``/`` itself is read-only now."""
+        with open("/proc/self/mountinfo") as f:
+            points = [line.split()[4].replace("\\040", " ") for line in f]
+        for point in points:
+            if point.startswith(("/proc", "/sys", "/dev")):
+                continue
+            try:
+                # Flags locked by the kernel (nosuid, nodev, noexec, ...) must be repeated on a remount.
+                kept = os.statvfs(point).f_flag & (_MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_NOATIME)
+                self._mount(None, point, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | kept)
+            except OSError:
+                continue
+        return bool(os.statvfs("/").f_flag & os.ST_RDONLY)
 
     def _fresh_scratch(self) -> str:
         """In the child (root, before dropping privileges): a mount namespace of its own with empty tmpfs
@@ -352,7 +383,7 @@ class _Zygote:
     def run(self, code: str, timeout: float) -> dict[str, Any]:
         start = time.monotonic()
         workdir = None  # with private mounts the child makes its own (a fresh /tmp)
-        if not self.private_fs:
+        if self.base_dir is not None:
             workdir = tempfile.mkdtemp(dir=self.base_dir)
             if self.drop_uid:
                 os.chown(workdir, self.config.sandbox_uid, self.config.sandbox_uid)
@@ -507,6 +538,7 @@ class _Zygote:
                 "pid": os.getpid(),
                 "pid_namespace": self.pid_ns,
                 "private_filesystem": self.private_fs,
+                "readonly_filesystem": self.private_fs and self.readonly,
                 "sandbox_uid": self.config.sandbox_uid if self.drop_uid else os.geteuid(),
             },
         )
@@ -522,7 +554,8 @@ class _Zygote:
                 reply["network_namespace"] = self.net_ns
                 _send(self.resp_fd, reply)
         finally:
-            shutil.rmtree(self.base_dir, ignore_errors=True)
+            if self.base_dir is not None:
+                shutil.rmtree(self.base_dir, ignore_errors=True)
 
 
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
@@ -782,7 +815,13 @@ class SandboxPool:
         try:
             if not handle.alive:
                 handle.start()
-            keys = ("pid_namespace", "network_namespace", "private_filesystem", "sandbox_uid")
+            keys = (
+                "pid_namespace",
+                "network_namespace",
+                "private_filesystem",
+                "readonly_filesystem",
+                "sandbox_uid",
+            )
             return {k: handle.info.get(k) for k in keys}
         finally:
             self._idle.put(handle)
