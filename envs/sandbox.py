@@ -810,7 +810,8 @@ class SandboxPool:
     def isolation(self) -> dict[str, Any]:
         """What the kernel granted, as seen by a started zygote (starts one if none is running):
         ``pid_namespace``, ``network_namespace`` (``None`` until the first call), ``private_filesystem``
-        (private ``/tmp`` etc.) and ``sandbox_uid`` (the uid the code runs as)."""
+        (fresh ``/tmp`` etc. per call), ``readonly_filesystem`` (everything else read-only) and
+        ``sandbox_uid`` (the uid the code runs as)."""
         handle = self._idle.get()
         try:
             if not handle.alive:
