@@ -1,0 +1,486 @@
+"""SFT cold start: behaviour cloning of expert agents, rendered through the LLM agent's own prompts and masks.
+
+The SPO++ paper starts Math-TIR from an SFT checkpoint; this module gives the ``tiny`` model the same kind of
+start on both envs, in a few CPU minutes:
+
+1. **Expert data.** Each expert episode (``ALFWorldExpertAgent`` replaying the walkthrough; ``MathSolverAgent``
+   writing correct tool code) is played through a real ``LLMAgent`` whose backend is *teacher-forced*: it
+   "generates" the tokens of the expert's action followed by the end-of-turn token. The resulting
+   ``Trajectory`` therefore has exactly the token layout, chat rendering, context policy and ``action_mask``
+   that the agent produces at RL time -- one piece of code renders both.
+2. **Training.** Token-level cross-entropy on action tokens only (mask 1; prompt, observation and tool output
+   are context), averaged over all action tokens of a batch; AdamW with linear warm-up and cosine decay,
+   full fine-tuning by default (``lora`` to train an adapter instead).
+3. **Cache.** The checkpoint is saved under ``$STREAMRL_CACHE/sft/<model>-<config hash>`` (atomic, locked),
+   so tests and examples reuse it. ``evaluate`` measures the success rate of an ``LLMAgent`` on a split.
+
+Command line (prints JSON with the success rates)::
+
+    python -m streamrl.agents.sft --model tiny --envs alfworld math_tir --eval-episodes 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from streamrl.agents.base import Agent, EpisodeId, Generation, SamplingParams
+from streamrl.agents.hf_backend import HFBackend, HFBackendConfig, token_logprobs
+from streamrl.agents.llm_agent import ContextPolicy, LLMAgent
+from streamrl.agents.lora import LoRAConfig, wrap_lora
+from streamrl.agents.models import build_once, cache_root, load_model, load_tokenizer, resolve_model
+from streamrl.agents.prompts import ALFWorldPrompt, MathTIRPrompt, PromptFormat
+from streamrl.agents.rollout import play_episode
+from streamrl.agents.trajectory import TokenSequence, Trajectory, finalize
+
+_RECIPE = 1  # bump when the data rendering or training loop changes
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Env specs: which gym env, prompt format, context policy and expert belong to an env name
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """How the agents layer plays one env: gym id, splits, prompt format, context policy, expert."""
+
+    gym_id: str
+    train_split: str
+    eval_splits: tuple[str, ...]
+    prompt: Callable[[], PromptFormat]
+    context: ContextPolicy
+    max_new_tokens: int
+    expert: Callable[[Any], Agent]
+    """Builds the expert for a given env instance (the Math solver needs the env's task records)."""
+    env_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _alfworld_expert(env: Any) -> Agent:
+    from streamrl.agents.alfworld_agents import ALFWorldExpertAgent
+
+    return ALFWorldExpertAgent()
+
+
+def _math_expert(env: Any) -> Agent:
+    from streamrl.agents.math_solver import MathSolverAgent
+
+    agent: Agent = MathSolverAgent(env.unwrapped.tasks)
+    return agent
+
+
+ENV_SPECS: dict[str, EnvSpec] = {
+    "alfworld": EnvSpec(
+        gym_id="streamrl/ALFWorld-v0",
+        train_split="train",
+        eval_splits=("eval_seen", "eval_unseen"),
+        # The admissible-command list is left out: it is ~300 tokens per turn, which would make the full
+        # history of a 30-step episode overflow a small model's context and SFT 6x slower; the tiny model
+        # learns to write commands from the observation instead (invalid ones cost a turn).
+        prompt=lambda: ALFWorldPrompt(list_admissible=False),
+        # Full history (SPO++ setting): expert episodes are short; a failing 30-step episode still fits.
+        context=ContextPolicy(mode="full", max_context_tokens=2048),
+        max_new_tokens=24,
+        expert=_alfworld_expert,
+        env_kwargs={"max_steps": 30},
+    ),
+    "math_tir": EnvSpec(
+        gym_id="streamrl/MathTIR-v0",
+        train_split="train",
+        eval_splits=("test",),
+        prompt=MathTIRPrompt,
+        context=ContextPolicy(mode="full", max_context_tokens=2048),
+        max_new_tokens=160,
+        expert=_math_expert,
+        # The procedural families (short reference programs such as ``print(pow(30, 170, 46))``) are what a
+        # ~2M-parameter model can clone in minutes; GSM-symbolic word problems need a pretrained model.
+        env_kwargs={"source": "procedural", "max_tool_calls": 2, "max_turns": 4},
+    ),
+}
+
+
+def env_spec(name: str) -> EnvSpec:
+    if name not in ENV_SPECS:
+        raise ValueError(f"unknown env {name!r}; valid: {sorted(ENV_SPECS)}")
+    return ENV_SPECS[name]
+
+
+def make_env(name: str, split: str) -> Any:
+    """The gym env of ``name`` on ``split`` (with the spec's extra kwargs)."""
+    import gymnasium as gym
+    import streamrl.envs  # noqa: F401  (registers the ids)
+
+    spec = env_spec(name)
+    return gym.make(spec.gym_id, split=split, **dict(spec.env_kwargs))
+
+
+def task_ids_of(env: Any) -> list[str]:
+    """Stable task ids an env can play, in its split order (``task_ids``, or the ids of ``tasks``)."""
+    inner = env.unwrapped
+    if hasattr(inner, "task_ids"):
+        ids = inner.task_ids
+        return list(ids() if callable(ids) else ids)
+    if hasattr(inner, "tasks"):
+        return [t.task_id for t in inner.tasks]
+    raise TypeError(f"{type(inner).__name__} exposes neither task_ids nor tasks; cannot enumerate its tasks")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Expert data through the agent's own rendering
+
+
+class TeacherForcedBackend:
+    """A ``GenerationBackend`` that "generates" queued token ids (log-prob 0): the expert's action tokens."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.queue: list[list[int]] = []
+
+    @property
+    def adapter_version(self) -> int:
+        return 0
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        if len(self.queue) != len(prompts):
+            raise RuntimeError(f"{len(prompts)} prompts but {len(self.queue)} forced completions queued")
+        out = [Generation(list(ids), [0.0] * len(ids), "stop") for ids in self.queue]
+        self.queue = []
+        return out
+
+    def score(self, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]) -> list[list[float]]:
+        raise NotImplementedError("a teacher-forced backend has no model to score with")
+
+    def set_adapter(self, path: str | None, version: int) -> None:
+        raise NotImplementedError("a teacher-forced backend has no model")
+
+    def close(self) -> None:
+        pass
+
+
+class TeacherForcedAgent:
+    """Plays an expert's actions while recording them as an ``LLMAgent`` would have generated them."""
+
+    def __init__(
+        self, expert: Agent, tokenizer: Any, prompt_format: PromptFormat, context: ContextPolicy
+    ) -> None:
+        self.expert = expert
+        self.backend = TeacherForcedBackend(tokenizer)
+        self.llm = LLMAgent(
+            self.backend, tokenizer, prompt_format, SamplingParams(max_new_tokens=4096), context
+        )
+        eos = tokenizer.eos_token_id
+        self._eos = [int(eos)] if eos is not None else []
+
+    def act(
+        self,
+        observations: Sequence[str],
+        infos: Sequence[Mapping[str, Any]],
+        episode_ids: Sequence[EpisodeId],
+    ) -> list[str]:
+        actions = self.expert.act(observations, infos, episode_ids)
+        self.backend.queue = [self.llm.chat.encode(a) + self._eos for a in actions]
+        self.llm.act(observations, infos, episode_ids)
+        return actions
+
+    def end_episode(self, episode_id: EpisodeId) -> Trajectory:
+        self.expert.end_episode(episode_id)
+        return self.llm.end_episode(episode_id)
+
+
+def expert_trajectories(
+    env_name: str, tokenizer: Any, split: str | None = None, limit: int | None = None
+) -> list[Trajectory]:
+    """Won expert episodes of ``env_name`` (every task of the split, or the first ``limit``) as trajectories."""
+    spec = env_spec(env_name)
+    env = make_env(env_name, split or spec.train_split)
+    agent = TeacherForcedAgent(spec.expert(env), tokenizer, spec.prompt(), spec.context)
+    out: list[Trajectory] = []
+    try:
+        for task_id in task_ids_of(env)[:limit]:
+            result = play_episode(env, agent, options={"task_id": task_id})
+            trajectory = finalize(result)
+            if trajectory.won and "context_exhausted" not in trajectory.info:
+                out.append(trajectory)
+    finally:
+        env.close()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Training
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """Behaviour-cloning recipe. Every field is part of the checkpoint's cache key."""
+
+    model: str = "tiny"
+    """Registry name or local HF directory of the model to fine-tune."""
+    envs: tuple[str, ...] = ("alfworld", "math_tir")
+    """Envs whose expert data is mixed into one training set (one checkpoint plays all of them)."""
+    max_expert_episodes: int = 0
+    """Per env; 0 = every task of the training split."""
+    epochs: int = 8
+    batch_size: int = 8
+    lr: float = 3e-3
+    """Peak AdamW learning rate (a random-init tiny model needs a high one; use ~1e-4 for pretrained ones)."""
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    lora: LoRAConfig | None = None
+    """``None`` = full fine-tuning; otherwise train (and save) a LoRA adapter merged into the checkpoint."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in self.envs:
+            env_spec(name)
+        if self.epochs < 1 or self.batch_size < 1:
+            raise ValueError(f"epochs and batch_size must be >= 1, got {self.epochs}, {self.batch_size}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+
+    def key(self) -> str:
+        model_key = resolve_model(self.model).name
+        blob = json.dumps({"config": asdict(self), "model_dir": model_key, "recipe": _RECIPE}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def sequences_of(trajectories: Sequence[Trajectory]) -> list[TokenSequence]:
+    return [s for t in trajectories for s in t.sequences if s.num_action_tokens]
+
+
+def sft_loss(model: Any, batch: Sequence[TokenSequence], pad_token_id: int) -> tuple[torch.Tensor, int]:
+    """Mean negative log-likelihood of the action tokens of ``batch`` (right-padded); returns (loss, tokens)."""
+    width = max(len(s) for s in batch)
+    ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+    attn = torch.zeros((len(batch), width), dtype=torch.long)
+    target_mask = torch.zeros((len(batch), width), dtype=torch.float32)
+    for row, seq in enumerate(batch):
+        ids[row, : len(seq)] = torch.as_tensor(seq.token_ids)
+        attn[row, : len(seq)] = 1
+        target_mask[row, : len(seq)] = torch.as_tensor(seq.action_mask, dtype=torch.float32)
+    device = next(model.parameters()).device
+    lp = token_logprobs(model, ids.to(device), attn.to(device))
+    mask = target_mask[:, 1:].to(device)
+    n = int(mask.sum().item())
+    return -(lp * mask).sum() / max(n, 1), n
+
+
+def train_sft(
+    model: Any,
+    sequences: Sequence[TokenSequence],
+    config: SFTConfig,
+    pad_token_id: int,
+    log: Callable[[str], None] = print,
+) -> list[float]:
+    """Behaviour cloning of ``sequences`` into ``model`` (in place); returns the loss of every step."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    # Batches of similar length waste less compute on padding: sort, chunk, then shuffle the chunks.
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    chunks = [order[i : i + config.batch_size] for i in range(0, len(order), config.batch_size)]
+    total = config.epochs * len(chunks)
+
+    def lr_at(step: int) -> float:  # linear warm-up, cosine decay to 10%
+        if step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        progress = (step - config.warmup_steps) / max(1, total - config.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+    rng = random.Random(config.seed)
+    losses: list[float] = []
+    model.train()
+    started = time.perf_counter()
+    for epoch in range(config.epochs):
+        rng.shuffle(chunks)
+        for chunk in chunks:
+            loss, _ = sft_loss(model, [sequences[i] for i in chunk], pad_token_id)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            losses.append(float(loss.detach()))
+        recent = losses[-len(chunks) :]
+        log(
+            f"epoch {epoch + 1}/{config.epochs}: loss {sum(recent) / len(recent):.3f} ({time.perf_counter() - started:.0f}s)"
+        )
+    model.eval()
+    return losses
+
+
+def sft_checkpoint(config: SFTConfig | None = None, log: Callable[[str], None] = print) -> Path:
+    """The fine-tuned model directory for ``config``, trained and cached on first use."""
+    config = config or SFTConfig()
+    base = resolve_model(config.model)
+    target = cache_root() / "sft" / f"{base.name}-sft-{config.key()}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+
+    def build(out: Path) -> None:
+        tokenizer = load_tokenizer(base)
+        data: list[Trajectory] = []
+        stats: dict[str, Any] = {}
+        for name in config.envs:
+            started = time.perf_counter()
+            trajs = expert_trajectories(name, tokenizer, limit=config.max_expert_episodes or None)
+            seqs = sequences_of(trajs)
+            stats[name] = {
+                "episodes": len(trajs),
+                "sequences": len(seqs),
+                "tokens": sum(len(s) for s in seqs),
+                "action_tokens": sum(s.num_action_tokens for s in seqs),
+                "collect_s": round(time.perf_counter() - started, 1),
+            }
+            log(f"expert data {name}: {stats[name]}")
+            data.extend(trajs)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            model = load_model(base)
+            if config.lora is not None:
+                model = wrap_lora(model, config.lora)
+            started = time.perf_counter()
+            losses = train_sft(model, sequences_of(data), config, int(tokenizer.pad_token_id), log)
+        if config.lora is not None:
+            model = model.merge_and_unload()
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        report = {
+            "config": asdict(config),
+            "base_model": str(base),
+            "data": stats,
+            "steps": len(losses),
+            "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
+            "train_s": round(time.perf_counter() - started, 1),
+        }
+        (out / "streamrl_sft.json").write_text(json.dumps(report, indent=2, sort_keys=True))
+
+    return build_once(target, build)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Evaluation
+
+
+def evaluate(
+    backend: HFBackend,
+    env_name: str,
+    split: str,
+    episodes: int,
+    sampling: SamplingParams | None = None,
+    batch_size: int = 16,
+) -> dict[str, Any]:
+    """Success rate of an ``LLMAgent`` on the first ``episodes`` tasks of ``split`` (lock-step batches).
+
+    Episodes run ``batch_size`` at a time, each in its own env, so the backend generates for all of them in
+    one call per turn.
+    """
+    spec = env_spec(env_name)
+    # No per-call seed: a fixed one would replay the same random draws at every turn. The backend's own
+    # generator (HFBackendConfig.seed) makes the run reproducible instead.
+    sampling = sampling or SamplingParams(max_new_tokens=spec.max_new_tokens)
+    agent = LLMAgent(backend, prompt_format=spec.prompt(), sampling=sampling, context=spec.context)
+    probe = make_env(env_name, split)
+    task_ids = task_ids_of(probe)[:episodes]
+    envs = [probe] + [make_env(env_name, split) for _ in range(min(batch_size, len(task_ids)) - 1)]
+    wins, steps, valid, started = 0, 0, 0, time.perf_counter()
+    try:
+        for start in range(0, len(task_ids), len(envs)):
+            batch = task_ids[start : start + len(envs)]
+            live: dict[int, tuple[str, dict[str, Any]]] = {}
+            for slot, task_id in enumerate(batch):
+                live[slot] = envs[slot].reset(options={"task_id": task_id})
+            while live:
+                slots = sorted(live)
+                actions = agent.act([live[s][0] for s in slots], [live[s][1] for s in slots], slots)
+                for slot, action in zip(slots, actions, strict=True):
+                    obs, _, terminated, truncated, info = envs[slot].step(action)
+                    steps += 1
+                    valid += bool(info.get("action_valid", True))
+                    if terminated or truncated:
+                        wins += bool(info.get("won", False))
+                        agent.end_episode(slot)
+                        del live[slot]
+                    else:
+                        live[slot] = (obs, info)
+    finally:
+        for env in envs:
+            env.close()
+    return {
+        "env": env_name,
+        "split": split,
+        "episodes": len(task_ids),
+        "success_rate": wins / max(1, len(task_ids)),
+        "valid_action_rate": valid / max(1, steps),
+        "mean_steps": steps / max(1, len(task_ids)),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], prog="python -m streamrl.agents.sft"
+    )
+    defaults = SFTConfig()
+    parser.add_argument("--model", default=defaults.model)
+    parser.add_argument("--envs", nargs="+", default=list(defaults.envs), choices=sorted(ENV_SPECS))
+    parser.add_argument("--epochs", type=int, default=defaults.epochs)
+    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    parser.add_argument("--max-expert-episodes", type=int, default=defaults.max_expert_episodes)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--eval-episodes", type=int, default=64, help="per split; 0 skips evaluation")
+    parser.add_argument("--baseline", action="store_true", help="also evaluate the untrained model")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None, help="write the JSON report here too")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    config = SFTConfig(
+        model=args.model,
+        envs=tuple(args.envs),
+        epochs=args.epochs,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        max_expert_episodes=args.max_expert_episodes,
+        seed=args.seed,
+    )
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    started = time.perf_counter()
+    path = sft_checkpoint(config, log)
+    report: dict[str, Any] = {
+        "checkpoint": str(path),
+        "sft": json.loads((path / "streamrl_sft.json").read_text()),
+        "checkpoint_s": round(time.perf_counter() - started, 1),
+        "eval": [],
+    }
+    if args.eval_episodes:
+        models = [("sft", str(path))] + (
+            [("untrained", str(resolve_model(config.model)))] if args.baseline else []
+        )
+        for label, model_dir in models:
+            backend = HFBackend(model_dir, config=HFBackendConfig(device="cpu"))
+            for name in config.envs:
+                spec = env_spec(name)
+                for split in (spec.train_split, *spec.eval_splits):
+                    result = evaluate(backend, name, split, args.eval_episodes)
+                    result["model"] = label
+                    log(json.dumps(result))
+                    report["eval"].append(result)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,187 @@
+"""LLMAgent end to end on the real envs with real models: token/mask invariants, context policies, parsers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import gymnasium as gym
+import pytest
+import streamrl.envs  # noqa: F401
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from streamrl.agents.base import Agent, SamplingParams
+from streamrl.agents.hf_backend import HFBackend
+from streamrl.agents.llm_agent import ContextPolicy, LLMAgent
+from streamrl.agents.prompts import ALFWorldPrompt, MathTIRPrompt, boxed_answer
+from streamrl.agents.random_agent import RandomTextAgent
+from streamrl.agents.rollout import play_episode
+from streamrl.agents.sft import task_ids_of
+from streamrl.agents.trajectory import Trajectory, finalize
+
+
+@pytest.fixture(scope="module")
+def tiny() -> HFBackend:
+    return HFBackend("tiny")
+
+
+@pytest.fixture(scope="module")
+def alfworld_env() -> Iterator[gym.Env]:
+    env = gym.make("streamrl/ALFWorld-v0", split="train", max_steps=4)
+    yield env
+    env.close()
+
+
+@pytest.fixture(scope="module")
+def math_env() -> Iterator[gym.Env]:
+    env = gym.make("streamrl/MathTIR-v0", source="procedural", size=8, max_tool_calls=2, max_turns=3)
+    yield env
+    env.close()
+
+
+def check_trajectory(traj: Trajectory, backend: HFBackend, result_actions: list[str]) -> None:
+    """The invariants a learner relies on, checked against the model itself."""
+    traj.validate()
+    tok = backend.tokenizer
+    assert [t.action for t in traj.turns] == result_actions
+    for seq_index, seq in enumerate(traj.sequences):
+        turns = [t for t in traj.turns if t.sequence == seq_index]
+        # The spans tile the sequence: context, action, context, action, ... (token ids == concatenation).
+        pieces: list[int] = []
+        for turn in turns:
+            assert turn.prompt_span[0] == len(pieces) and turn.prompt_span[1] == turn.action_span[0]
+            pieces += seq.token_ids[turn.prompt_span[0] : turn.action_span[1]]
+            assert tok.decode(seq.token_ids[slice(*turn.action_span)], skip_special_tokens=True) == turn.text
+            assert set(seq.action_mask[slice(*turn.action_span)]) == {1}
+        assert pieces == seq.token_ids
+        # Every action token's rollout log-prob is what the model gives it in this very sequence: the
+        # recorded ids are the ones the policy saw (temperature 1, no filtering).
+        scored = backend.score([seq.token_ids], [1])[0]
+        for i, m in enumerate(seq.action_mask):
+            if m:
+                assert abs(scored[i - 1] - seq.rollout_logprobs[i]) < 1e-4, i
+
+
+def play(env: gym.Env, agent: Agent, task: int = 0) -> tuple[Trajectory, list[str]]:
+    ids = task_ids_of(env)
+    result = play_episode(env, agent, options={"task_id": ids[task]})
+    traj = finalize(result)
+    assert traj.task_id == ids[task] and traj.won == result.won and traj.reward == result.reward
+    assert traj.truncated == result.truncated and traj.terminated == result.terminated
+    assert [t.observation for t in traj.turns] == [t.observation for t in result.turns]
+    return traj, [t.action for t in result.turns]
+
+
+def test_alfworld_full_history_episode(tiny: HFBackend, alfworld_env: gym.Env) -> None:
+    agent = LLMAgent(tiny, prompt_format=ALFWorldPrompt(), sampling=SamplingParams(max_new_tokens=12))
+    traj, actions = play(alfworld_env, agent)
+    assert len(traj.sequences) == 1 and len(traj.turns) == 4 and traj.truncated
+    check_trajectory(traj, tiny, actions)
+    seq = traj.sequences[0]
+    # The sequence opens with the chat template's own rendering of the system and first user message.
+    first_obs, first_info = alfworld_env.reset(options={"task_id": traj.task_id})
+    fmt = ALFWorldPrompt()
+    head = tiny.tokenizer.apply_chat_template(
+        [
+            {"role": "system", "content": fmt.system_prompt(first_obs, first_info)},
+            {"role": "user", "content": fmt.user_message(first_obs, first_info, 0)},
+        ],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    assert tiny.tokenizer.decode(seq.token_ids[: traj.turns[0].action_span[0]]) == head
+    # Observations come back as user turns (mask 0) in the same sequence.
+    next_prompt = tiny.tokenizer.decode(seq.token_ids[slice(*traj.turns[1].prompt_span)])
+    assert traj.turns[0].observation.strip() in next_prompt and next_prompt.endswith(
+        "<|im_start|>assistant\n"
+    )
+    assert Trajectory.from_json(traj.to_json()).to_dict() == traj.to_dict()
+
+
+def test_math_window_policy_and_batched_act(tiny: HFBackend, math_env: gym.Env) -> None:
+    policy = ContextPolicy(mode="window", window_turns=1, max_context_tokens=1024)
+    agent = LLMAgent(
+        tiny, prompt_format=MathTIRPrompt(), sampling=SamplingParams(max_new_tokens=16), context=policy
+    )
+    traj, actions = play(math_env, agent, task=1)
+    assert traj.context_policy == "window" and len(traj.sequences) == len(traj.turns) == 3
+    check_trajectory(traj, tiny, actions)
+    # Batched act: two episodes with different prompt lengths share generate calls.
+    envs = [
+        gym.make("streamrl/MathTIR-v0", source="procedural", size=8, max_tool_calls=1, max_turns=2)
+        for _ in range(2)
+    ]
+    full = LLMAgent(tiny, prompt_format=MathTIRPrompt(), sampling=SamplingParams(max_new_tokens=16))
+    obs_info = [e.reset(options={"task_id": task_ids_of(e)[i + 2]}) for i, e in enumerate(envs)]
+    sent: dict[int, list[str]] = {0: [], 1: []}
+    live = {0, 1}
+    while live:
+        ids = sorted(live)
+        acts = full.act([obs_info[i][0] for i in ids], [obs_info[i][1] for i in ids], ids)
+        for i, a in zip(ids, acts, strict=True):
+            sent[i].append(a)
+            obs, _, term, trunc, info = envs[i].step(a)
+            obs_info[i] = (obs, info)
+            if term or trunc:
+                live.discard(i)
+                record = full.end_episode(i)
+                record.set_outcome(0.0, bool(info["won"]), term, trunc, info, obs, bool(info["action_valid"]))
+                check_trajectory(record, tiny, sent[i])
+    for e in envs:
+        e.close()
+
+
+def test_context_budget_exhaustion_is_an_invalid_action(tiny: HFBackend, alfworld_env: gym.Env) -> None:
+    agent = LLMAgent(
+        tiny,
+        prompt_format=ALFWorldPrompt(),
+        sampling=SamplingParams(max_new_tokens=8),
+        context=ContextPolicy(mode="full", max_context_tokens=420),
+    )
+    traj, actions = play(alfworld_env, agent)
+    assert traj.info.get("context_exhausted") is True
+    assert actions[-1] == "" and traj.turns[-1].action_span == (0, 0) and traj.turns[-1].action_valid is False
+    assert len(traj.sequences[0]) <= 420
+    check_trajectory(traj, tiny, actions)
+
+
+def test_random_text_agent_smoke(math_env: gym.Env) -> None:
+    result = play_episode(math_env, RandomTextAgent(seed=3), options={"task_id": task_ids_of(math_env)[0]})
+    again = play_episode(math_env, RandomTextAgent(seed=3), options={"task_id": task_ids_of(math_env)[0]})
+    assert [t.action for t in result.turns] == [t.action for t in again.turns] and result.record is None
+
+
+def test_parsers() -> None:
+    info = {"admissible_commands": ["go to fridge 1", "take apple 1 from fridge 1", "look"]}
+    fmt = ALFWorldPrompt()
+    assert fmt.parse_action("  > Go to Fridge 1.\nblah", info).action == "go to fridge 1"
+    assert fmt.parse_action("Action: look", info).valid
+    bad = fmt.parse_action("fly to the moon", info)
+    assert not bad.valid and bad.action == "fly to the moon" and "not an admissible" in (bad.error or "")
+    assert not fmt.parse_action("", info).valid
+    math = MathTIRPrompt()
+    code = math.parse_action("Compute.\n```python\nprint(2)\n```\n```output\n3\n```", {})
+    assert code.valid and code.action.endswith("```") and "output" not in code.action
+    assert math.parse_action("so \\boxed{\\frac{1}{2}}", {}).valid
+    assert boxed_answer("a \\boxed{1} then \\boxed{\\frac{3}{4}}") == "\\frac{3}{4}"
+    assert not math.parse_action("I think it is 4", {}).valid
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=200), st.lists(st.text(max_size=20), max_size=5))
+def test_parsers_never_raise(text: str, commands: list[str]) -> None:
+    for fmt in (ALFWorldPrompt(), MathTIRPrompt()):
+        parsed = fmt.parse_action(text, {"admissible_commands": commands})
+        assert isinstance(parsed.action, str) and (parsed.valid or parsed.error)
+
+
+@pytest.mark.slow
+def test_smollm2_plays_a_short_episode(alfworld_env: gym.Env) -> None:
+    backend = HFBackend("smollm2-135m")
+    agent = LLMAgent(backend, prompt_format=ALFWorldPrompt(), sampling=SamplingParams(max_new_tokens=6))
+    env = gym.make("streamrl/ALFWorld-v0", split="train", max_steps=2)
+    try:
+        traj, actions = play(env, agent)
+    finally:
+        env.close()
+    assert len(traj.turns) == 2
+    check_trajectory(traj, backend, actions)
