@@ -7,7 +7,8 @@ Episode protocol (the ToRL / SimpleTIR / SPO-recipe format):
   block, the episode terminates: reward 1.0 when the answer is mathematically equal to the ground truth
   (:func:`streamrl.envs.math_answer.answers_equal`), else 0.0.
 * Otherwise, if it holds a fenced ```` ```python ```` block (the last one counts), the block runs in the
-  sandbox (a fresh process per call, no state kept between calls) and the next observation is its stdout --
+  sandbox (a fresh process per call; with ``stateful_tool=True`` the episode's earlier successful
+  blocks are replayed first, so their names stay defined) and the next observation is its stdout --
   or, on failure, the last line of the traceback -- inside ```` ```output ```` fences, cut to
   ``max_output_chars`` (head + tail). At most ``max_tool_calls`` calls run; later code blocks are refused.
 * A turn with neither is invalid (``info["action_valid"] = False``); the observation says what was expected.
@@ -78,6 +79,10 @@ class MathTIRConfig:
     """Turns (actions) before truncation; must be > ``max_tool_calls`` so an answer turn fits."""
     max_output_chars: int = 512
     """Tool output shown to the agent per call: head + tail of this many characters."""
+    stateful_tool: bool = False
+    """``False`` (default): every code block runs on its own, as in ToRL. ``True``: names defined by the
+    episode's earlier *successful* blocks stay defined, notebook-style -- implemented statelessly by
+    replaying those blocks (their output discarded) before the new one in the same fresh process."""
     max_action_chars: int = 16_384
     """Longest turn accepted; longer ones are invalid (and the action space's ``max_length``)."""
     max_observation_chars: int = 8_192
@@ -133,6 +138,19 @@ def parse_turn(text: str) -> ParsedTurn:
     return ParsedTurn()
 
 
+def _replay(cells: Sequence[str]) -> str:
+    """Python that re-runs earlier cells silently in the current namespace (for ``stateful_tool``)."""
+    if not cells:
+        return ""
+    lines = [
+        "import contextlib as _streamrl_ctx, io as _streamrl_io",
+        "with _streamrl_ctx.redirect_stdout(_streamrl_io.StringIO()):",
+    ]
+    for i, cell in enumerate(cells, 1):
+        lines.append(f"    exec(compile({cell!r}, '<cell {i}>', 'exec'))")
+    return "\n".join(lines) + "\ndel _streamrl_ctx, _streamrl_io\n"
+
+
 def _clean_text(text: str | bytes) -> str:
     """Valid UTF-8 only: undecodable bytes and lone surrogates become U+FFFD."""
     if isinstance(text, bytes):
@@ -182,6 +200,7 @@ class MathTIREnv(gym.Env[str, str]):
         self._task: MathTask | None = None
         self._turn = 0
         self._tool_calls = 0
+        self._cells: list[str] = []  # successful code blocks of this episode (for stateful_tool)
         self._done = False
         self._transcript: list[str] = []
 
@@ -220,6 +239,7 @@ class MathTIREnv(gym.Env[str, str]):
         else:
             self._task = self.tasks[int(self.np_random.integers(len(self.tasks)))]
         self._turn = self._tool_calls = 0
+        self._cells = []
         self._done = False
         obs = self._observation(self._task.question)
         self._transcript = [obs]
@@ -282,7 +302,10 @@ class MathTIREnv(gym.Env[str, str]):
         if self._pool is None:
             self._pool = acquire_shared_pool(self.config.sandbox)
         self._tool_calls += 1
-        result = self._pool.run(code)
+        program = _replay(self._cells) + code if self.config.stateful_tool else code
+        result = self._pool.run(program)
+        if result.ok:
+            self._cells.append(code)
         if result.ok:
             shown = result.output if result.output.strip() else "(no output; print() the values you need)"
         else:

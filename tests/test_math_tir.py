@@ -220,6 +220,20 @@ def test_scripted_solver_solves_the_test_split_through_the_sandbox() -> None:
     assert success >= 0.95, success  # measured: 1.0 (600/600)
 
 
+def test_stateful_tool_keeps_names_from_earlier_successful_blocks() -> None:
+    with MathTIREnv(source="procedural", split="test", stateful_tool=True, sandbox=SANDBOX) as e:
+        e.reset(seed=0)
+        assert e.step(code("a = 6\nprint('set')"))[0] == f"{FENCE}output\nset\n{FENCE}"
+        assert "ZeroDivisionError" in e.step(code("b = 1 / 0"))[0]  # failed blocks are not replayed
+        assert e.step(code("print(a * 7)"))[0] == f"{FENCE}output\n42\n{FENCE}"  # replay prints nothing
+        e.reset(seed=0)
+        assert "NameError" in e.step(code("print(a)"))[0]  # a new episode starts empty
+    with MathTIREnv(source="procedural", split="test", sandbox=SANDBOX) as e:
+        e.reset(seed=0)
+        e.step(code("a = 6"))
+        assert "NameError: name 'a' is not defined" in e.step(code("print(a)"))[0]
+
+
 def test_config_object_and_overrides_agree() -> None:
     e = MathTIREnv(MathTIRConfig(source="procedural", split="test"), size=5)
     assert len(e.tasks) == 5 and e.config.source == "procedural"
