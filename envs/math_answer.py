@@ -185,8 +185,9 @@ def answers_equal(
 
     Numbers compare exactly as rationals first, then within ``rel_tol`` / ``abs_tol`` (so ``0.3333333``
     matches ``1/3`` only to 1e-6 relative). Anything else goes to math-verify and sympy, bounded by
-    ``timeout_s`` seconds (a check that runs out of time counts as *not equal*). Safe to call from any
-    thread.
+    ``timeout_s`` seconds: a check that runs out of time counts as *not equal* and is abandoned (its daemon
+    thread finishes in the background; answers long enough or with power towers to risk that are kept
+    numeric-only up front). Safe to call from any thread.
     """
     if pred is None:
         return False

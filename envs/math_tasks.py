@@ -11,8 +11,8 @@ the scripted solver (``streamrl.agents.math_solver``) sends through the real san
   problem whose worked arithmetic cannot be translated to its final answer gets a program that prints the
   answer key and says so (``MathTask.solution_kind == "answer_key"``; see :func:`solution_coverage`).
 * ``procedural`` -- our own generator of multi-step arithmetic and algebra word problems with exact
-  (``Fraction``) answers: twelve families adapted from reference/platform.md §4.2 plus chained problems
-  where each step's result feeds the next.
+  (``Fraction``) answers: thirteen families adapted from reference/platform.md §4.2 plus two chained
+  families where each step's result feeds the next.
 * ``custom`` -- a user's own ``(question, answer)`` records (:func:`custom_tasks`).
 
 Task ids are ``"<source>/<split>/<index>"`` (e.g. ``"gsm_symbolic/test/00017"``); with the pinned
