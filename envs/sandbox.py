@@ -690,12 +690,15 @@ class _ZygoteHandle:
     def start(self) -> None:
         args = [sys.executable, "-I", "-c", _BOOTSTRAP, os.path.abspath(__file__)]
         args.append(json.dumps(asdict(self.config)))
+        # The zygote's own stderr (import errors, a crash) goes to an anonymous file we can quote; the
+        # calls' output never does (children write to their own pipe).
+        log = tempfile.TemporaryFile()
         # A scrubbed environment: nothing of the caller's (tokens, keys) reaches the zygote or the code.
         self.proc = subprocess.Popen(
             args,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=log,
             env=dict(_ZYGOTE_ENV),
             cwd="/",
             start_new_session=True,
@@ -705,10 +708,14 @@ class _ZygoteHandle:
             self.info = _recv(self.proc.stdout.fileno(), time.monotonic() + self.config.start_timeout_s)
         except (TimeoutError, EOFError) as e:
             self.stop()
+            log.seek(0)
+            said = log.read()[-2000:].decode(errors="replace").strip()
             raise RuntimeError(
                 f"the sandbox zygote failed to start within {self.config.start_timeout_s}s "
-                f"(preload={self.config.preload!r}): {e}"
+                f"(preload={self.config.preload!r}): {e}" + (f"\nzygote stderr:\n{said}" if said else "")
             ) from e
+        finally:
+            log.close()  # the zygote keeps its own descriptor
 
     @property
     def alive(self) -> bool:

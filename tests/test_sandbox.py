@@ -255,3 +255,9 @@ def test_error_summary_picks_the_exception_line() -> None:
     assert error_summary(interleaved) == "BlockingIOError: [Errno 11] x"
     assert error_summary("bye\nExited with code 7\n") == "Exited with code 7"
     assert error_summary("") == ""
+
+
+def test_a_zygote_that_cannot_start_says_why() -> None:
+    with SandboxPool(SandboxConfig(preload=("math", "no_such_module_xyz"))) as p:
+        with pytest.raises(RuntimeError, match="No module named 'no_such_module_xyz'"):
+            p.run("print(1)")
