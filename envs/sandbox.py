@@ -208,7 +208,7 @@ def _recv(fd: int, deadline: float | None = None) -> dict[str, Any]:
 class _Zygote:
     """The fork server's state; one instance lives in each spawned zygote process."""
 
-    def __init__(self, config: SandboxConfig, req_fd: int, resp_fd: int) -> None:
+    def __init__(self, config: SandboxConfig, req_fd: int, resp_fd: int, scratch: str) -> None:
         self.config = config
         self.req_fd, self.resp_fd = req_fd, resp_fd
         self.libc = ctypes.CDLL(None, use_errno=True)
@@ -216,8 +216,11 @@ class _Zygote:
         self.readonly = False
         self.private_fs = self.is_root and self._private_mounts()
         self.drop_uid = self.is_root and self._probe_uid_drop()
-        # Work directories: a fresh /tmp per call with private mounts, else folders under base_dir.
-        self.base_dir = None if self.private_fs else tempfile.mkdtemp(prefix="streamrl-sandbox-")
+        # Work directories: a fresh /tmp per call with private mounts, else folders under the pool's
+        # scratch directory (which the pool removes even if this process is killed).
+        self.base_dir = None if self.private_fs else scratch
+        if self.base_dir is not None and self.drop_uid:
+            os.chmod(self.base_dir, 0o711)  # the sandbox uid must reach its own work directory inside
         self.own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY)
         self.pid_ns = config.isolate_pids and self._probe_pid_namespace()
         if not self.pid_ns:
@@ -542,20 +545,16 @@ class _Zygote:
                 "sandbox_uid": self.config.sandbox_uid if self.drop_uid else os.geteuid(),
             },
         )
-        try:
-            while True:
-                try:
-                    request = _recv(self.req_fd)
-                except EOFError:  # the pool (or its process) is gone
-                    return
-                if request.get("shutdown"):
-                    return
-                reply = self.run(request["code"], float(request["timeout"]))
-                reply["network_namespace"] = self.net_ns
-                _send(self.resp_fd, reply)
-        finally:
-            if self.base_dir is not None:
-                shutil.rmtree(self.base_dir, ignore_errors=True)
+        while True:
+            try:
+                request = _recv(self.req_fd)
+            except EOFError:  # the pool (or its process) is gone
+                return
+            if request.get("shutdown"):
+                return
+            reply = self.run(request["code"], float(request["timeout"]))
+            reply["network_namespace"] = self.net_ns
+            _send(self.resp_fd, reply)
 
 
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
@@ -630,6 +629,7 @@ def _zygote_main() -> None:
     (Not PR_SET_PDEATHSIG: that fires when the *thread* that spawned the zygote exits.)
     """
     config_dict = json.loads(sys.argv[1])
+    scratch = sys.argv[2]
     config_dict["preload"] = tuple(config_dict["preload"])
     config = SandboxConfig(**config_dict)
     # Protocol on private descriptors; 0/1 point at /dev/null so stray prints cannot corrupt it.
@@ -652,7 +652,7 @@ def _zygote_main() -> None:
     # (and copy-on-write fault in) the zygote's heap -- Instagram's fork-server trick.
     gc.collect()
     gc.freeze()
-    _Zygote(config, req_fd, resp_fd).serve()
+    _Zygote(config, req_fd, resp_fd, scratch).serve()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -686,10 +686,12 @@ class _ZygoteHandle:
         self.config = config
         self.proc: subprocess.Popen[bytes] | None = None
         self.info: dict[str, Any] = {}
+        self.scratch: str | None = None
 
     def start(self) -> None:
         args = [sys.executable, "-I", "-c", _BOOTSTRAP, os.path.abspath(__file__)]
-        args.append(json.dumps(asdict(self.config)))
+        self.scratch = tempfile.mkdtemp(prefix="streamrl-sandbox-")
+        args += [json.dumps(asdict(self.config)), self.scratch]
         # The zygote's own stderr (import errors, a crash) goes to an anonymous file we can quote; the
         # calls' output never does (children write to their own pipe).
         log = tempfile.TemporaryFile()
@@ -760,6 +762,9 @@ class _ZygoteHandle:
             if stream is not None:
                 with contextlib.suppress(OSError):
                     stream.close()
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.scratch = None
 
 
 _LIVE_POOLS: weakref.WeakSet[SandboxPool] = weakref.WeakSet()
