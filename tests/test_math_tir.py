@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 
+import gymnasium as gym
 import psutil
 import pytest
 from gymnasium.utils.env_checker import check_env
@@ -44,9 +46,13 @@ def test_make_without_prior_import_in_a_fresh_interpreter() -> None:
     assert out.stdout.split() == ["MathTIREnv", "MathTIREnv"]
 
 
-def test_check_env(env: MathTIREnv) -> None:
-    check_env(env, skip_render_check=True)
-    assert env.observation_space.contains(env.reset(seed=1)[0])
+def test_check_env_passes_without_warnings() -> None:
+    made = gym.make("streamrl/MathTIR-v0", split="test", sandbox=SANDBOX)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # gymnasium reports most findings as warnings
+        check_env(made.unwrapped)  # including the "ansi" render mode
+    assert made.observation_space.contains(made.reset(seed=1)[0])
+    made.close()
 
 
 def test_reset_is_reproducible_and_selects_by_id(env: MathTIREnv) -> None:
