@@ -246,6 +246,8 @@ class MathTIREnv(gym.Env[str, str]):
         return obs, self._info(action_valid=True, answer=None)
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """Play one turn: judge a ``\\boxed{}`` answer, run a python block, or explain what was expected.
+        ``bytes`` are accepted and decoded (invalid UTF-8 becomes U+FFFD)."""
         if self._task is None:
             raise RuntimeError("call reset() before step()")
         if self._done:
@@ -271,8 +273,7 @@ class MathTIREnv(gym.Env[str, str]):
                 reward = 1.0 if won else 0.0
                 obs = f"Final answer received: {answer}. It is {'correct' if won else 'incorrect'}."
             elif turn.code is not None:
-                obs, extra = self._run_tool(turn.code)
-                valid = extra.pop("valid")
+                obs, valid, extra = self._run_tool(turn.code)
             else:
                 valid = False
                 why = f" ({turn.problem})" if turn.problem else ""
@@ -292,12 +293,14 @@ class MathTIREnv(gym.Env[str, str]):
         info.update(extra)
         return obs, reward, terminated, truncated, info
 
-    def _run_tool(self, code: str) -> tuple[str, dict[str, Any]]:
+    def _run_tool(self, code: str) -> tuple[str, bool, dict[str, Any]]:
+        """Run ``code``; return the observation, whether the action was valid, and extra info."""
         if self._tool_calls >= self.config.max_tool_calls:
             return (
                 f"Tool call refused: the limit of {self.config.max_tool_calls} code executions is used up. "
                 "Give the final answer as \\boxed{answer}.",
-                {"valid": False, "tool_status": "refused"},
+                False,
+                {"tool_status": "refused"},
             )
         if self._pool is None:
             self._pool = acquire_shared_pool(self.config.sandbox)
@@ -306,16 +309,15 @@ class MathTIREnv(gym.Env[str, str]):
         result = self._pool.run(program)
         if result.ok:
             self._cells.append(code)
-        if result.ok:
             shown = result.output if result.output.strip() else "(no output; print() the values you need)"
         else:
             shown = error_summary(result.output) or result.status  # ToRL: the last line of the traceback
         shown = truncate_middle(shown.rstrip("\n"), self.config.max_output_chars)
-        return f"```output\n{shown}\n```", {
-            "valid": True,
-            "tool_status": result.status,
-            "tool_seconds": result.seconds,
-        }
+        return (
+            f"```output\n{shown}\n```",
+            True,
+            {"tool_status": result.status, "tool_seconds": result.seconds},
+        )
 
     def _observation(self, text: str) -> str:
         text = "".join(ch if ch in _CHARSET else "\ufffd" for ch in _clean_text(text))
