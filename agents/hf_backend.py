@@ -91,6 +91,26 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
 
 
+def selected_token_logprobs(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, select: torch.Tensor
+) -> torch.Tensor:
+    """``token_logprobs(...)[select]`` without computing logits anywhere else, shape ``[select.sum()]``.
+
+    ``select`` is a bool ``[B, T-1]`` mask over predicted positions (e.g. action tokens, shifted by one). The
+    vocabulary projection and log-softmax -- most of the cost and memory of a small model with a large vocabulary
+    -- run only on the selected hidden states. Differentiable; works through a peft wrapper.
+    """
+    hidden = model.get_decoder()(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+    ).last_hidden_state
+    chosen = hidden[:, :-1][select]
+    logits = model.get_output_embeddings()(chosen).float()
+    targets = input_ids[:, 1:][select]
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
 def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Log-probs of the distribution ``params`` samples from, one row per sequence (``-inf`` = filtered out).
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 from streamrl.agents.base import Agent, EpisodeId, Generation, SamplingParams
-from streamrl.agents.hf_backend import HFBackend, HFBackendConfig, token_logprobs
+from streamrl.agents.hf_backend import HFBackend, HFBackendConfig, selected_token_logprobs
 from streamrl.agents.llm_agent import ContextPolicy, LLMAgent
 from streamrl.agents.lora import LoRAConfig, wrap_lora
 from streamrl.agents.models import build_once, cache_root, load_model, load_tokenizer, resolve_model
@@ -259,20 +259,21 @@ def sequences_of(trajectories: Sequence[Trajectory]) -> list[TokenSequence]:
 
 
 def sft_loss(model: Any, batch: Sequence[TokenSequence], pad_token_id: int) -> tuple[torch.Tensor, int]:
-    """Mean negative log-likelihood of the action tokens of ``batch`` (right-padded); returns (loss, tokens)."""
+    """Mean negative log-likelihood of the action tokens of ``batch`` (right-padded); returns (loss, tokens).
+
+    Logits are computed only where the next token is an action token (``selected_token_logprobs``).
+    """
     width = max(len(s) for s in batch)
     ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
     attn = torch.zeros((len(batch), width), dtype=torch.long)
-    target_mask = torch.zeros((len(batch), width), dtype=torch.float32)
+    target = torch.zeros((len(batch), width), dtype=torch.bool)
     for row, seq in enumerate(batch):
         ids[row, : len(seq)] = torch.as_tensor(seq.token_ids)
         attn[row, : len(seq)] = 1
-        target_mask[row, : len(seq)] = torch.as_tensor(seq.action_mask, dtype=torch.float32)
+        target[row, : len(seq)] = torch.as_tensor(seq.action_mask, dtype=torch.bool)
     device = next(model.parameters()).device
-    lp = token_logprobs(model, ids.to(device), attn.to(device))
-    mask = target_mask[:, 1:].to(device)
-    n = int(mask.sum().item())
-    return -(lp * mask).sum() / max(n, 1), n
+    lp = selected_token_logprobs(model, ids.to(device), attn.to(device), target[:, 1:].to(device))
+    return -lp.mean(), int(lp.numel())
 
 
 def train_sft(

@@ -135,3 +135,16 @@ def test_lora_roundtrip_reference_and_backend_versions(tmp_path: Path) -> None:
     assert _maxdiff(backend.score(seqs, plens)[0], base_lp[0, 1:].tolist()) < 1e-5
     with pytest.raises(FileNotFoundError, match=r"adapter_config\.json"):
         backend.set_adapter(tmp_path, 4)
+
+
+def test_selected_token_logprobs_equal_full_ones() -> None:
+    from streamrl.agents.hf_backend import selected_token_logprobs
+
+    model = wrap_lora(load_model(resolve_model("tiny")))
+    ids = torch.randint(0, 4000, (2, 30), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 25:] = 0
+    select = torch.rand(2, 29, generator=torch.Generator().manual_seed(1)) > 0.5
+    select[1, 24:] = False
+    full = token_logprobs(model, ids, mask)[select]
+    assert torch.allclose(selected_token_logprobs(model, ids, mask, select), full, atol=1e-6)
