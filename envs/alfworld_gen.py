@@ -32,7 +32,6 @@ import argparse
 import contextlib
 import fcntl
 import functools
-import hashlib
 import json
 import logging
 import multiprocessing
@@ -521,12 +520,20 @@ def _generate_into(root: Path, split: str, index: int) -> str:
     return task_id
 
 
-def _read_manifest(root: Path, split: str) -> list[str]:
+def _read_manifest(root: Path, split: str, n: int) -> list[str]:
+    """Task ids of the first ``n`` games of the manifest, cut before the first game whose files are gone
+    (those games are then generated again)."""
     try:
         data = json.loads((root / split / "manifest.json").read_text())
     except (OSError, ValueError):
         return []
-    return [str(t) for t in data.get("task_ids", [])]
+    known = []
+    for task_id in map(str, data.get("task_ids", [])[:n]):
+        folder = _game_folder(root, task_id)
+        if not ((folder / "game.tw-pddl").is_file() and (folder / "traj_data.json").is_file()):
+            break
+        known.append(task_id)
+    return known
 
 
 def ensure_split(split: str, config: GenerationConfig | None = None, *, progress: bool = False) -> list[Path]:
@@ -536,13 +543,13 @@ def ensure_split(split: str, config: GenerationConfig | None = None, *, progress
     config = config or GenerationConfig()
     n = config.size(split)
     root = config.root()
-    known = _read_manifest(root, split)
+    known = _read_manifest(root, split, n)
     if len(known) < n:
         with _locked(root):
-            known = _read_manifest(root, split)  # another process may have finished meanwhile
+            known = _read_manifest(root, split, n)  # another process may have finished meanwhile
             if len(known) < n:
                 known = _generate_missing(root, split, known, n, config.workers, progress)
-    return [_game_folder(root, t) / "game.tw-pddl" for t in known[:n]]
+    return [_game_folder(root, t) / "game.tw-pddl" for t in known]
 
 
 def _generate_missing(
@@ -576,11 +583,6 @@ def _generate_missing(
     if progress:
         print(f"{split}: generated {len(todo)} games in {time.perf_counter() - start:.1f}s -> {root / split}")
     return task_ids
-
-
-def game_digest(path: str | os.PathLike[str]) -> str:
-    """sha1 of a game file's bytes (for reproducibility checks)."""
-    return hashlib.sha1(Path(path).read_bytes()).hexdigest()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

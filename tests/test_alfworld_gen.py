@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -143,9 +144,12 @@ def test_concurrent_processes_share_the_cache_safely(tmp_path: Path) -> None:
     assert sorted(p.name for p in split_root.iterdir()) == sorted(
         [*(Path(p).parent.name for p in a), "manifest.json"]
     )
-    # A larger request extends the split; the first games do not change.
+    # A larger request extends the split; the first games do not change. A deleted game comes back.
+    before = Path(a[1]).read_bytes()
+    shutil.rmtree(Path(a[1]).parent)
     config = gen.GenerationConfig(train=0, eval_seen=0, eval_unseen=4, cache_dir=str(tmp_path), workers=1)
     assert [str(p) for p in gen.ensure_split("eval_unseen", config)][:3] == a
+    assert Path(a[1]).read_bytes() == before
 
 
 def test_cli_generates_into_the_given_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
