@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from streamrl.agents.base import SamplingParams
 from streamrl.agents.hf_backend import HFBackend
 from streamrl.agents.models import load_tokenizer, resolve_model
 from streamrl.agents.sft import (
@@ -58,12 +59,16 @@ def test_sft_loss_counts_only_action_tokens(tokenizer) -> None:  # type: ignore[
 
 @pytest.mark.slow
 def test_sft_improves_over_untrained_model() -> None:
-    config = SFTConfig(envs=("math_tir",), max_expert_episodes=96, epochs=6, batch_size=4, lr=5e-3)
+    # CI-sized: 16 Math-TIR expert episodes, trained long enough to clone them; success is measured on those
+    # training tasks (greedy), which the untrained model never solves. The full recipe's rates on held-out
+    # splits are in the agents note (python -m streamrl.agents.sft).
+    config = SFTConfig(envs=("math_tir",), max_expert_episodes=16, epochs=30, batch_size=4, lr=5e-3)
     path = sft_checkpoint(config)
     report = json.loads((path / "streamrl_sft.json").read_text())
-    assert report["data"]["math_tir"]["episodes"] == 96 and report["final_loss"] < 1.0
-    trained = evaluate(HFBackend(path), "math_tir", "train", episodes=16, batch_size=16)
-    untrained = evaluate(HFBackend("tiny"), "math_tir", "train", episodes=16, batch_size=16)
+    assert report["data"]["math_tir"]["episodes"] == 16 and report["final_loss"] < 0.5
+    greedy = SamplingParams(max_new_tokens=160, temperature=0.0)
+    trained = evaluate(HFBackend(path), "math_tir", "train", episodes=16, sampling=greedy, batch_size=16)
+    untrained = evaluate(HFBackend("tiny"), "math_tir", "train", episodes=16, sampling=greedy, batch_size=16)
     assert untrained["success_rate"] == 0.0
     assert trained["valid_action_rate"] > untrained["valid_action_rate"] + 0.3
-    assert trained["success_rate"] > 0.0
+    assert trained["success_rate"] >= 0.25, trained
