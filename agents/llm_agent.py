@@ -116,6 +116,7 @@ class _Episode:
     last_generated: list[int] = field(default_factory=list)
     exhausted: bool = False
     last_return: float | None = None
+    tool_calls: int = 0  # the env's cumulative info["tool_calls"] seen so far
 
 
 class LLMAgent:
@@ -174,7 +175,8 @@ class LLMAgent:
         turn.observation = observation
         if "action_valid" in info:
             turn.action_valid = bool(info["action_valid"])
-        turn.tool_calls = int(info.get("tool_calls", 0) or 0)
+        total = int(info.get("tool_calls", 0) or 0)  # cumulative in the env; the turn keeps its own share
+        turn.tool_calls, episode.tool_calls = max(0, total - episode.tool_calls), total
         if episode.last_return is not None:
             episode.trajectory.timings["env_s"] += time.perf_counter() - episode.last_return
         content = self.prompt_format.user_message(observation, info, len(episode.trajectory.turns))

@@ -187,6 +187,9 @@ class Trajectory:
         if info is not None:
             self.info = {**dict(info), **self.info}  # agent notes (e.g. context_exhausted) win
         if self.turns:
+            if info is not None and isinstance(info.get("tool_calls"), int):
+                earlier = sum(t.tool_calls for t in self.turns[:-1])  # info counts are cumulative
+                self.turns[-1].tool_calls = max(0, info["tool_calls"] - earlier)
             if last_observation is not None:
                 self.turns[-1].observation = last_observation
             if last_action_valid is not None:

@@ -68,6 +68,8 @@ def play(env: gym.Env, agent: Agent, task: int = 0) -> tuple[Trajectory, list[st
     assert traj.task_id == ids[task] and traj.won == result.won and traj.reward == result.reward
     assert traj.truncated == result.truncated and traj.terminated == result.terminated
     assert [t.observation for t in traj.turns] == [t.observation for t in result.turns]
+    if "tool_calls" in result.final_info:
+        assert sum(t.tool_calls for t in traj.turns) == result.final_info["tool_calls"]
     return traj, [t.action for t in result.turns]
 
 
@@ -95,6 +97,14 @@ def test_alfworld_full_history_episode(tiny: HFBackend, alfworld_env: gym.Env) -
         "<|im_start|>assistant\n"
     )
     assert Trajectory.from_json(traj.to_json()).to_dict() == traj.to_dict()
+    bad = Trajectory.from_json(traj.to_json())
+    bad.sequences[0].rollout_logprobs.pop()
+    with pytest.raises(ValueError, match=r"sequences\[0\]: rollout_logprobs has \d+ entries"):
+        bad.validate()
+    bad = Trajectory.from_json(traj.to_json())
+    bad.turns[0].action_span = (bad.turns[0].action_span[0] + 1, bad.turns[0].action_span[1])
+    with pytest.raises(ValueError, match="exactly the turns' action spans"):
+        bad.validate()
 
 
 def test_math_window_policy_and_batched_act(tiny: HFBackend, math_env: gym.Env) -> None:
