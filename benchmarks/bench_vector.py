@@ -9,8 +9,9 @@ For each env (``streamrl/ALFWorld-v0``, ``streamrl/MathTIR-v0``) and each number
 * ``gym_async``: ``gymnasium.vector.AsyncVectorEnv(shared_memory=False)``, NEXT_STEP autoreset;
 
 and counts env steps per second (autoreset "steps" of the lock-step modes, which only reset, are not
-counted). Overhead: with one sub-env, the time per env step through the wrapper against calling the same
-env directly in this process (``direct``); the in-process backend is reported too.
+counted). Overhead (:func:`paired_overhead`): the time per env step through each wrapper, one sub-env,
+against calling the same env directly in this process, on identical trajectories timed step by step in
+rotating order (robust to the load of a shared machine, unlike the throughput table).
 
 Policies: ALFWorld takes a uniformly random admissible command (seeded); Math-TIR uses the scripted
 :class:`streamrl.agents.math_solver.MathSolverAgent` (a sandboxed tool call, then the boxed answer).
@@ -38,6 +39,7 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+import psutil
 import streamrl.envs  # noqa: F401 - registers the env ids
 from streamrl.envs.vector import EnvFactory, LockstepVectorEnv, StreamingVectorEnv, VectorEnvConfig
 
@@ -197,6 +199,125 @@ def run_gym_async(factory: EnvFactory, policy: Policy, n: int, seconds: float) -
     return _run_lockstep(venv, policy, n, seconds)
 
 
+def paired_overhead(factory: EnvFactory, make_policy: Callable[[], Policy], steps: int) -> dict[str, Any]:
+    """Per-step cost of each wrapper against the bare env, measured on *identical* trajectories.
+
+    One direct env and one single-env instance of each wrapper play the same episodes (same seeds, the
+    policy's action sent to all) step by step, in rotating order, so every step is timed under the same
+    machine load. Autoreset is off everywhere (episodes are reset explicitly with the same seed).
+
+    Two measures: wall time per step (what a caller waits, including the OS waking the worker and then
+    the caller: on an oversubscribed machine that scheduling delay dominates for every multi-process
+    design), and CPU time per step, caller plus worker processes, resets included (the work the wrapper
+    adds, independent of load).
+    """
+    policy = make_policy()
+    direct = factory()
+    disabled = VectorEnvConfig(autoreset_mode="Disabled")
+    streaming = StreamingVectorEnv([factory], disabled)
+    lockstep = LockstepVectorEnv([factory], disabled)
+    gym_async = gym.vector.AsyncVectorEnv(
+        [factory], shared_memory=False, context="spawn", autoreset_mode="Disabled"
+    )
+    wrapped: dict[str, Any] = {
+        "streaming": streaming,
+        "streaming_inprocess": StreamingVectorEnv([factory], VectorEnvConfig(backend="inprocess")),
+        "lockstep": lockstep,
+        "gym_async": gym_async,
+    }
+    worker_pid = {
+        "streaming": streaming.worker_pids()[0],
+        "lockstep": lockstep.streaming.worker_pids()[0],
+        "gym_async": gym_async.processes[0].pid,
+    }
+
+    def worker_cpu(name: str) -> float:
+        pid = worker_pid.get(name)
+        if pid is None:
+            return 0.0
+        times = psutil.Process(pid).cpu_times()
+        return float(times.user + times.system)
+
+    wall: dict[str, float] = dict.fromkeys(["direct", *wrapped], 0.0)
+    cpu: dict[str, float] = dict.fromkeys(["direct", *wrapped], 0.0)
+
+    def timed(name: str, call: Callable[[], Any], count_wall: bool) -> Any:
+        c0, w0 = time.process_time(), time.perf_counter()
+        out = call()
+        if count_wall:
+            wall[name] += time.perf_counter() - w0
+        cpu[name] += time.process_time() - c0
+        return out
+
+    def first_obs(name: str, out: Any) -> Any:
+        if isinstance(wrapped.get(name), StreamingVectorEnv):
+            return out[0].obs
+        return out[0][0]
+
+    def reset_all(seed: int) -> tuple[Any, dict[str, Any]]:
+        obs, info = timed("direct", lambda: direct.reset(seed=seed), False)
+        for name, w in wrapped.items():
+            if isinstance(w, StreamingVectorEnv):
+                out = timed(name, functools.partial(w.reset, seeds=seed), False)
+            else:
+                out = timed(name, functools.partial(w.reset, seed=seed), False)
+            assert first_obs(name, out) == obs, f"{name} diverged from the direct env at reset"
+        return obs, info
+
+    def step_call(name: str, action: str) -> Callable[[], Any]:
+        w = wrapped[name]
+        if isinstance(w, StreamingVectorEnv):
+            return lambda: w.step([0], [action])
+        return lambda: w.step((action,))
+
+    try:
+        episode = 0
+        obs, info = reset_all(episode)
+        cpu = dict.fromkeys(cpu, 0.0)
+        cpu0 = {name: worker_cpu(name) for name in wrapped}
+        for k in range(steps):
+            action = policy(obs, info, episode)
+            order = ["direct", *wrapped]
+            order = order[k % len(order) :] + order[: k % len(order)]
+            seen: dict[str, Any] = {}
+            for name in order:
+                if name == "direct":
+                    obs, _, terminated, truncated, info = timed(
+                        name, functools.partial(direct.step, action), True
+                    )
+                else:
+                    seen[name] = first_obs(name, timed(name, step_call(name, action), True))
+            for name, wobs in seen.items():
+                assert wobs == obs, f"{name} diverged from the direct env"
+            if terminated or truncated:
+                episode += 1
+                obs, info = reset_all(episode)
+        for name in wrapped:
+            cpu[name] += worker_cpu(name) - cpu0[name]
+    finally:
+        direct.close()
+        for w in wrapped.values():
+            w.close()
+    out: dict[str, Any] = {
+        "steps": steps,
+        "episodes": episode,
+        "wall_ms_per_step": {name: 1e3 * t / steps for name, t in wall.items()},
+        "wall_overhead_vs_direct": {name: wall[name] / wall["direct"] - 1 for name in wrapped},
+        "cpu_ms_per_step": {name: 1e3 * t / steps for name, t in cpu.items()},
+        "cpu_overhead_vs_direct": {name: cpu[name] / cpu["direct"] - 1 for name in wrapped},
+        "loadavg_1min": os.getloadavg()[0],
+    }
+    print(f"  paired, {steps} identical steps: wall ms/step {_fmt(out['wall_ms_per_step'])}")
+    print(f"  wall overhead vs direct: {_fmt(out['wall_overhead_vs_direct'], pct=True)}")
+    print(f"  cpu ms/step (caller + worker) {_fmt(out['cpu_ms_per_step'])}")
+    print(f"  cpu overhead vs direct: {_fmt(out['cpu_overhead_vs_direct'], pct=True)}")
+    return out
+
+
+def _fmt(values: dict[str, float], pct: bool = False) -> str:
+    return ", ".join(f"{k} {100 * v:+.1f}%" if pct else f"{k} {v:.3f}" for k, v in values.items())
+
+
 # --------------------------------------------------------------------------------------------------------
 
 
@@ -229,6 +350,9 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", type=int, default=[1, 2, 4, 8])
     parser.add_argument("--seconds", type=float, default=10.0, help="wall time per measurement")
     parser.add_argument("--repeats", type=int, default=3, help="measurements per point (median reported)")
+    parser.add_argument(
+        "--paired-steps", type=int, default=400, help="steps of the paired overhead measurement"
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "vector.json")
     args = parser.parse_args()
 
@@ -240,35 +364,30 @@ def main() -> None:
     for env_name in args.envs:
         factory, make_policy = SETUPS[env_name]()
         print(f"{env_name}: {factory.name}")
-        env_report: dict[str, Any] = {"env_id": factory.name, "throughput": {}}
-        m = functools.partial(measure, factory=factory, make_policy=make_policy, repeats=args.repeats)
-        direct = m("direct (1 env, no wrapper)", run_direct, args.seconds)
-        inproc = m("streaming in-process (1)", run_streaming, 1, args.seconds, "inprocess")
-        for n in args.sizes:
-            env_report["throughput"][str(n)] = {
-                "streaming": m(f"streaming ({n})", run_streaming, n, args.seconds),
-                "lockstep": m(f"lockstep facade ({n})", run_lockstep, n, args.seconds),
-                "gym_async": m(f"gymnasium AsyncVectorEnv ({n})", run_gym_async, n, args.seconds),
+        env_report: dict[str, Any] = {"env_id": factory.name}
+        if not args.paired_only:
+            m = functools.partial(measure, factory=factory, make_policy=make_policy, repeats=args.repeats)
+            env_report["direct"] = m("direct (1 env, no wrapper)", run_direct, args.seconds)
+            env_report["streaming_inprocess_1"] = m(
+                "streaming in-process (1)", run_streaming, 1, args.seconds, "inprocess"
+            )
+            env_report["throughput"] = {
+                str(n): {
+                    "streaming": m(f"streaming ({n})", run_streaming, n, args.seconds),
+                    "lockstep": m(f"lockstep facade ({n})", run_lockstep, n, args.seconds),
+                    "gym_async": m(f"gymnasium AsyncVectorEnv ({n})", run_gym_async, n, args.seconds),
+                }
+                for n in args.sizes
             }
-        env_report["direct"] = direct
-        env_report["streaming_inprocess_1"] = inproc
-        one = env_report["throughput"].get("1")
-        if one is not None:
-            per_step = {k: 1e3 / v["steps_per_s"] for k, v in one.items()}
-            per_step["direct"] = 1e3 / direct["steps_per_s"]
-            per_step["streaming_inprocess"] = 1e3 / inproc["steps_per_s"]
-            env_report["ms_per_step_1env"] = per_step
-            env_report["overhead_vs_direct"] = {
-                k: per_step[k] / per_step["direct"] - 1
-                for k in ("streaming", "streaming_inprocess", "lockstep", "gym_async")
-            }
-            print(f"  overhead vs direct: {env_report['overhead_vs_direct']}")
+        env_report["paired_overhead_1env"] = paired_overhead(factory, make_policy, args.paired_steps)
         report["envs"][env_name] = env_report
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     existing = json.loads(args.out.read_text()) if args.out.exists() else {}
-    existing.update({k: v for k, v in report.items() if k != "envs"})
-    existing.setdefault("envs", {}).update(report["envs"])
+    if not args.paired_only:
+        existing.update({k: v for k, v in report.items() if k != "envs"})
+    for env_name, env_report in report["envs"].items():  # --paired-only keeps the throughput table
+        existing.setdefault("envs", {}).setdefault(env_name, {}).update(env_report)
     args.out.write_text(json.dumps(existing, indent=2) + "\n")
     print(f"wrote {args.out}")
 

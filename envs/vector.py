@@ -35,9 +35,14 @@ past ``max_rss_mb`` is killed (with its process group) and replaced, and every e
 exactly once as a result with ``truncated=True`` and ``info["error"]`` / ``info["error_kind"]``: episodes with
 a call in flight come back from ``recv``; an episode that was waiting for an action comes back as the
 result of the next ``send`` to that env (its step never runs). An exception inside ``env.step``/``reset``
-comes back the same way with the worker's traceback in ``info["traceback"]``; ``strict=True`` re-raises it
-in the parent instead (as :class:`SubEnvError`, chained to the original exception), Gymnasium-style.
+comes back the same way with the worker's traceback in ``info["traceback"]``. With ``strict=True`` every
+failure is raised in the parent instead, Gymnasium-style (:class:`SubEnvError`, with the worker's traceback
+and chained to the env's own exception); the worker is still replaced, so the env stays usable.
 ``close()`` reaps every worker; so does garbage collection and interpreter exit.
+
+Workers (``streamrl.envs.vector_workers``): subprocesses by default, in-process for debugging; the
+``EnvWorker`` interface documented there is what a Ray actor backend implements to slot in. Results cross
+the process boundary as pickles; the parent's overhead is one pipe round trip per call (~0.1-0.2 ms).
 
 :class:`LockstepVectorEnv` is a ``gymnasium.vector.VectorEnv`` over the same workers for code that wants
 Gymnasium's batched ``step``/``reset``.
@@ -182,7 +187,8 @@ class EnvResult:
     ``info["final_info"]``) and ``next_episode_id`` names it. A failure result has ``truncated=True``,
     ``reward=0``, the last observation the caller saw (``""`` for a failed reset), and ``info["error"]``,
     ``info["error_kind"]`` (``exception`` / ``timeout`` / ``crash`` / ``memory``) and, for exceptions,
-    ``info["traceback"]``.
+    ``info["traceback"]``; its ``error`` field repeats ``info["error"]`` and is ``None`` on every other
+    result (an env's own info keys cannot be mistaken for a failure).
     """
 
     obs: Any
@@ -194,6 +200,7 @@ class EnvResult:
     episode_id: int
     step: int
     next_episode_id: int | None = None
+    error: str | None = None  # set only on failure results (also in info["error"])
 
     @property
     def done(self) -> bool:
@@ -203,11 +210,6 @@ class EnvResult:
     @property
     def is_reset(self) -> bool:
         return self.step == 0
-
-    @property
-    def error(self) -> str | None:
-        """Why a worker failure ended this episode, if it did."""
-        return self.info.get("error")
 
 
 class SubEnvError(RuntimeError):
@@ -285,6 +287,10 @@ class StreamingVectorEnv:
 
     Attributes: ``num_envs``, ``single_observation_space``, ``single_action_space``, ``metadata`` (with
     ``"autoreset_mode"``), ``render_mode``, ``config``, ``restarts`` (workers replaced so far).
+
+    Raises :class:`WorkerStartError` (here or, for a replacement worker, from ``recv``) when a worker
+    cannot build its envs: the factory raised (the worker's traceback is in the message) or the worker
+    kept dying before it was up. One thread drives an instance; it holds no locks.
     """
 
     def __init__(self, env_fns: Sequence[EnvFactoryLike], config: VectorEnvConfig | None = None) -> None:
@@ -613,8 +619,7 @@ class StreamingVectorEnv:
         if reply.kind == "step":
             sub.step += 1
         if reply.error is not None:
-            info = {"error": reply.error, "error_kind": "exception", "traceback": reply.traceback}
-            result = self._failure(sub, "exception", reply.error, info, reply.exception)
+            result = self._failure(sub, "exception", reply.error, reply.traceback, reply.exception)
         else:
             result = EnvResult(
                 obs=reply.obs,
@@ -637,19 +642,23 @@ class StreamingVectorEnv:
         sub: _SubEnv,
         kind: ErrorKind,
         message: str,
-        info: dict[str, Any] | None = None,
+        traceback: str | None = None,
         exception: BaseException | None = None,
     ) -> EnvResult:
         """The one result that ends ``sub``'s current episode because of a failure."""
+        info: dict[str, Any] = {"error": message, "error_kind": kind}
+        if traceback is not None:
+            info["traceback"] = traceback
         result = EnvResult(
             obs=sub.last_obs if sub.step > 0 else "",
             reward=0.0,
             terminated=False,
             truncated=True,
-            info=info if info is not None else {"error": message, "error_kind": kind},
+            info=info,
             env_id=sub.env_id,
             episode_id=sub.episode_id,
             step=sub.step,
+            error=message,
         )
         if exception is not None:  # kept out of ``info`` (which callers log or pickle); strict mode chains it
             self._exceptions[sub.env_id] = exception
@@ -669,7 +678,7 @@ class StreamingVectorEnv:
                     raise SubEnvError(
                         f"sub-env {i} (episode {failure.episode_id}) failed: {failure.error}",
                         i,
-                        failure.info.get("error_kind", "exception"),
+                        failure.info["error_kind"],
                         failure.info.get("traceback"),
                     ) from cause
         results = [self._ready.pop(i) for i in env_ids]
@@ -915,8 +924,5 @@ class LockstepVectorEnv(VectorEnv):
         return tuple(self._observations), rewards, terminations, truncations, infos
 
     def close_extras(self, **kwargs: Any) -> None:
+        """Close the streaming env (reaps every worker; also happens on garbage collection and exit)."""
         self.streaming.close()
-
-    def __del__(self) -> None:
-        # The streaming env's finalizer reaps the workers; nothing else to release here.
-        pass

@@ -616,11 +616,23 @@ def _subprocess_main(
 ) -> None:
     """Entry point of a worker process: build the envs, then execute commands until told to close.
     ``buffered``: read commands on a thread (the worker hosts several envs)."""
+    # Own process group: kill() reaps env grandchildren too, and the terminal's Ctrl-C goes to the parent
+    # alone (which then closes us in order).
     with contextlib.suppress(OSError):
-        os.setpgid(
-            0, 0
-        )  # own group: kill() reaps env grandchildren; the terminal's Ctrl-C goes to the parent
+        os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Parent death: exit even while an env call, or building the envs, hangs (nobody could kill us then).
+    # Polling the parent pid costs nothing per step, unlike a second thread reading the pipe, and unlike
+    # PR_SET_PDEATHSIG it does not fire when merely the parent *thread* that started us exits.
+    parent = os.getppid()
+
+    def watch_parent() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(0)
+
+    threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
     try:
         host = EnvHost(cloudpickle.loads(blob))
     except BaseException as exc:  # reported to the parent, which raises
@@ -632,19 +644,6 @@ def _subprocess_main(
         conn.close()
         return
     conn.send(host.hello())
-
-    # Parent death: exit even while an env call hangs (the parent can no longer kill us). Polling the
-    # parent pid costs nothing per step, unlike a second thread reading the pipe, and, unlike
-    # PR_SET_PDEATHSIG, does not fire when merely the parent *thread* that started us exits.
-    parent = os.getppid()
-
-    def watch_parent() -> None:
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != parent:
-                os._exit(0)
-
-    threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
 
     next_command: Callable[[], Any] = conn.recv
     if buffered:

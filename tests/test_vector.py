@@ -64,16 +64,21 @@ def _running(pid: int) -> bool:
 # ------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_streamed_episodes_equal_direct_runs(backend: str) -> None:
+HOSTS = {
+    "spawn": VectorEnvConfig(envs_per_worker=2),
+    "forkserver": VectorEnvConfig(start_method="forkserver", envs_per_worker=2),
+    "inprocess": VectorEnvConfig(backend="inprocess", envs_per_worker=2),
+}
+
+
+@pytest.mark.parametrize("host", sorted(HOSTS))
+def test_streamed_episodes_equal_direct_runs(host: str) -> None:
     """Random interleaving of send/recv over 5 envs on 3 workers (2 envs per worker): every episode's
     results equal a direct run of the same env with the same seed and actions, tagged with the right
     env id, episode id and step, and every episode id appears exactly once."""
     rng = random.Random(0)
     lengths = [2, 3, 4, 5, 3]
-    venv = StreamingVectorEnv(
-        [_scripted(episode_len=n) for n in lengths], VectorEnvConfig(backend=backend, envs_per_worker=2)
-    )
+    venv = StreamingVectorEnv([_scripted(episode_len=n) for n in lengths], HOSTS[host])
     transcripts: dict[int, list[EnvResult]] = {}
     seeds: dict[int, int] = {}
     actions: dict[int, list[str]] = {}
