@@ -353,6 +353,9 @@ def main() -> None:
     parser.add_argument(
         "--paired-steps", type=int, default=400, help="steps of the paired overhead measurement"
     )
+    parser.add_argument(
+        "--paired-only", action="store_true", help="only redo the paired overhead measurement"
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "vector.json")
     args = parser.parse_args()
 
