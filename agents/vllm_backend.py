@@ -271,6 +271,7 @@ class _LoopThread:
 
     def __init__(self, name: str) -> None:
         self.loop = asyncio.new_event_loop()
+        self._futures: set[concurrent.futures.Future[Any]] = set()  # submitted, not yet done
         self.thread = threading.Thread(target=self._main, name=name, daemon=True)
         self.thread.start()
 
@@ -279,7 +280,10 @@ class _LoopThread:
         self.loop.run_forever()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        self._futures.add(future)
+        future.add_done_callback(self._futures.discard)
+        return future
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
         """Run ``coro`` on the loop and wait for it from this (different) thread."""
@@ -295,6 +299,8 @@ class _LoopThread:
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise TimeoutError(f"vLLM call did not finish within {timeout} s") from None
+        except concurrent.futures.CancelledError:
+            raise RuntimeError("the VLLMBackend was closed while this call was running") from None
 
     async def wrap(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await ``coro`` on the loop from any event loop (the caller's cancellation propagates)."""
@@ -307,6 +313,8 @@ class _LoopThread:
             return
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=30)
+        for future in list(self._futures):  # nothing will ever complete these now: release their waiters
+            future.cancel()
         if not self.thread.is_alive():
             self.loop.close()
 
@@ -318,6 +326,12 @@ def _shutdown_engine(loop_thread: _LoopThread, holder: dict[str, Any], timeout: 
     if engine is not None and not loop_thread.loop.is_closed():
 
         async def _stop(engine: Any) -> None:
+            # requests still running (other threads' calls) end with CancelledError instead of waiting forever
+            running = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in running:
+                task.cancel()
+            if running:  # let them abort their vLLM requests while the engine is still up
+                await asyncio.wait(running, timeout=10)
             # vLLM's default grace is 5 s, about what the CPU worker needs to exit; past it the engine core is
             # SIGKILLed and its shared memory is left to the resource tracker
             engine.shutdown(timeout=timeout)

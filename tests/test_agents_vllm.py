@@ -12,6 +12,8 @@ import asyncio
 import importlib.util
 import math
 import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -71,14 +73,30 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def vllm_backend() -> Any:
+    """The module's engine. Teardown checks a clean shutdown: a call still running in another thread is
+    released with a clear error, and no engine process outlives ``close()``."""
     from streamrl.agents.vllm_backend import VLLMBackend
 
     backend = VLLMBackend("tiny")
     engine_processes = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM")]
     assert engine_processes, "expected vLLM's EngineCore / Worker processes"
     yield backend
+    outcome: dict[str, BaseException] = {}
+
+    def long_call() -> None:
+        try:
+            backend.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4000, temperature=0))
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    caller = threading.Thread(target=long_call)
+    caller.start()
+    while backend._engine.get_num_unfinished_requests() == 0 and caller.is_alive():
+        time.sleep(0.05)  # wait until the request is in the engine
     backend.close()
     backend.close()  # idempotent
+    caller.join(timeout=60)
+    assert not caller.is_alive() and "closed while this call was running" in str(outcome.get("error"))
     _gone, alive = psutil.wait_procs(engine_processes, timeout=30)
     assert not alive, f"engine processes left after close(): {alive}"
 
