@@ -388,6 +388,8 @@ class VLLMBackend:
         self._engine = engine
         self.max_model_len: int = int(engine.model_config.max_model_len)
         self.vocab_size: int = int(engine.model_config.get_vocab_size())
+        self.dtype: str = str(engine.model_config.dtype).removeprefix("torch.")
+        """The dtype the engine runs in ("float32", "bfloat16", ...)."""
         self._adapter_lock = asyncio.Lock()  # only ever awaited on self._loop (Python >= 3.10 binds lazily)
 
     # -- engine -------------------------------------------------------------------------------------------
@@ -416,7 +418,6 @@ class VLLMBackend:
         if not self.on_cpu:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         kwargs.update(cfg.engine_kwargs)
-        self.dtype = str(kwargs["dtype"])
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         return AsyncEngineArgs(**kwargs)
