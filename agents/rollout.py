@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import gymnasium as gym
-
 from streamrl.agents.base import Agent, EpisodeId
 
 _episode_counter = itertools.count()
@@ -74,7 +73,8 @@ def play_episode(
     eid: EpisodeId = next(_episode_counter) if episode_id is None else episode_id
     start = time.perf_counter()
     obs, info = env.reset(seed=seed, options=dict(options) if options is not None else None)
-    first_obs, turns = obs, []
+    first_obs = obs
+    turns: list[Turn] = []
     total, terminated, truncated = 0.0, False, False
     while not (terminated or truncated):
         if len(turns) >= max_steps:
