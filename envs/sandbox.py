@@ -406,7 +406,8 @@ class _Zygote:
         head, tail, total, timed_out = self._collect(out_r, pid, start + timeout)
         if timed_out:
             self._kill(pid)
-        _, wait_status = os.waitpid(pid, 0)
+        _, wait_status, usage = os.wait4(pid, 0)
+        cpu_seconds = usage.ru_utime + usage.ru_stime
         if not in_pid_ns:
             self._kill_strays(pid)
         os.close(out_r)
@@ -416,7 +417,9 @@ class _Zygote:
             self.net_ns = net == b"1"
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
-        return self._result(head, tail, total, timed_out, timeout, wait_status, time.monotonic() - start)
+        return self._result(
+            head, tail, total, timed_out, timeout, wait_status, cpu_seconds, time.monotonic() - start
+        )
 
     def _collect(self, fd: int, pid: int, deadline: float) -> tuple[bytearray, bytearray, int, bool]:
         """Read the child's output until EOF, the child's exit, or the deadline; keep a head and a tail.
@@ -498,6 +501,7 @@ class _Zygote:
         timed_out: bool,
         timeout: float,
         wait_status: int,
+        cpu_seconds: float,
         seconds: float,
     ) -> dict[str, Any]:
         keep = 2 * self.config.max_output_chars
@@ -512,7 +516,10 @@ class _Zygote:
         elif os.WIFSIGNALED(wait_status):
             sig = os.WTERMSIG(wait_status)
             returncode = -sig
-            if sig == signal.SIGXCPU:
+            # The soft CPU limit sends SIGXCPU, but the child is PID 1 of its own PID namespace, and
+            # such an init ignores signals it has no handler for; the hard limit (one second later)
+            # then SIGKILLs it. Both mean the CPU budget ran out.
+            if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_seconds >= self.config.cpu_time_s):
                 status, note = (
                     "timeout",
                     f"TimeoutError: CPU time limit of {self.config.cpu_time_s}s exceeded",
