@@ -30,15 +30,17 @@ def test_expert_data_is_the_agents_rendering(env_name: str, tokenizer) -> None: 
     assert len(trajs) == 3 and all(t.won for t in trajs)
     for traj in trajs:
         traj.validate()
-        seq = traj.sequences[0]
         for turn in traj.turns:
+            seq = traj.sequences[turn.sequence]
             ids = seq.token_ids[slice(*turn.action_span)]
             # The expert's action, then the end-of-turn token, is what the model is trained to generate.
             assert ids[-1] == tokenizer.eos_token_id
             assert tokenizer.decode(ids, skip_special_tokens=True) == turn.action == turn.text
-        # Mask 0 on everything else, including the env's observations and tool output.
-        ctx = tokenizer.decode([t for t, m in zip(seq.token_ids, seq.action_mask, strict=True) if not m])
-        for turn in traj.turns[:-1]:
+        # Mask 0 on everything else, including the env's observations and tool output: each observation is in
+        # the context of the next turn's sequence (full history: one sequence; window: one per turn).
+        for turn, following in zip(traj.turns, traj.turns[1:], strict=False):
+            seq = traj.sequences[following.sequence]
+            ctx = tokenizer.decode([t for t, m in zip(seq.token_ids, seq.action_mask, strict=True) if not m])
             assert turn.observation.strip() in ctx
 
 
@@ -59,10 +61,12 @@ def test_sft_loss_counts_only_action_tokens(tokenizer) -> None:  # type: ignore[
 
 @pytest.mark.slow
 def test_sft_improves_over_untrained_model() -> None:
-    # CI-sized: 16 Math-TIR expert episodes, trained long enough to clone them; success is measured on those
-    # training tasks (greedy), which the untrained model never solves. The full recipe's rates on held-out
+    # CI-sized: 16 Math-TIR expert episodes (no synthetic ones), trained long enough to clone them; success is
+    # measured on those training tasks (greedy), which the untrained model never solves. The full recipe's rates on held-out
     # splits are in the agents note (python -m streamrl.agents.sft).
-    config = SFTConfig(envs=("math_tir",), max_expert_episodes=16, epochs=30, batch_size=4, lr=5e-3)
+    config = SFTConfig(
+        envs=("math_tir",), max_expert_episodes=16, synthetic_episodes=0, epochs=30, batch_size=4, lr=5e-3
+    )
     path = sft_checkpoint(config)
     report = json.loads((path / "streamrl_sft.json").read_text())
     assert report["data"]["math_tir"]["episodes"] == 16 and report["final_loss"] < 0.5
