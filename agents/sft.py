@@ -101,37 +101,25 @@ def _math_family_filter(env: Any) -> Callable[[str], bool]:
 def _math_synthetic_tasks(n: int, seed: int) -> list[Any]:
     """``n`` fresh procedural problems of ``MATH_SFT_FAMILIES`` (a seed of their own), none of whose questions
     is in the held-out ``test`` split: cheap extra expert data, since copying numbers is learnt from variety."""
-    from streamrl.envs.math_tasks import PROCEDURAL_FAMILIES, MathTask, procedural_tasks
+    from streamrl.envs.math_tasks import MathTask, procedural_tasks, sample_procedural
 
     if n < 0:
         raise ValueError(f"the number of synthetic tasks must be >= 0, got {n}")
-    held_out = {t.question for t in procedural_tasks("test")}
-    rng = random.Random(f"streamrl-sft-math-{seed}")
-    out: list[Any] = []
-    seen: set[str] = set()
-    while len(out) < n:
-        family = rng.choice(MATH_SFT_FAMILIES)
-        difficulty = rng.choice((1, 2, 3))
-        question, answer, code = PROCEDURAL_FAMILIES[family](rng, difficulty)
-        if question in held_out or question in seen:
-            continue
-        seen.add(question)
-        text = (
-            str(answer.numerator) if answer.denominator == 1 else f"{answer.numerator}/{answer.denominator}"
+    held_out = frozenset(t.question for t in procedural_tasks("test"))
+    raw = sample_procedural(f"streamrl-sft-math-{seed}", n, exclude=held_out, families=MATH_SFT_FAMILIES)
+    return [
+        MathTask(
+            task_id=f"sft-synthetic/{seed}/{i:06d}",
+            question=question,
+            answer=answer,
+            solution=code,
+            solution_kind="program",
+            source="procedural",
+            split="train",
+            meta={"family": family, "difficulty": difficulty},
         )
-        out.append(
-            MathTask(
-                task_id=f"sft-synthetic/{seed}/{len(out):06d}",
-                question=question,
-                answer=text,
-                solution=code,
-                solution_kind="program",
-                source="procedural",
-                split="train",
-                meta={"family": family, "difficulty": difficulty},
-            )
-        )
-    return out
+        for i, (question, answer, code, family, difficulty) in enumerate(raw)
+    ]
 
 
 ENV_SPECS: dict[str, EnvSpec] = {

@@ -562,15 +562,27 @@ def _canonical(value: Fraction) -> str:
     return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
 
 
-def _procedural(
-    seed: int, size: int, exclude: frozenset[str] = frozenset()
+def sample_procedural(
+    seed: int | str,
+    size: int,
+    exclude: frozenset[str] = frozenset(),
+    families: Sequence[str] | None = None,
 ) -> list[tuple[str, str, str, str, int]]:
+    """``size`` distinct procedural problems as ``(question, answer, program, family, difficulty)``, drawn
+    with ``random.Random(seed)`` from ``families`` (default: all, in ``PROCEDURAL_FAMILIES`` order), none of
+    whose questions is in ``exclude``."""
     rng = random.Random(seed)
-    families = list(PROCEDURAL_FAMILIES.items())
+    if families is None:
+        chosen = list(PROCEDURAL_FAMILIES.items())
+    else:
+        unknown = sorted(set(families) - set(PROCEDURAL_FAMILIES))
+        if unknown or not families:
+            raise ValueError(f"unknown procedural families {unknown}; valid: {sorted(PROCEDURAL_FAMILIES)}")
+        chosen = [(name, PROCEDURAL_FAMILIES[name]) for name in families]
     out: list[tuple[str, str, str, str, int]] = []
     seen = set(exclude)
     while len(out) < size:
-        name, family = rng.choice(families)
+        name, family = rng.choice(chosen)
         difficulty = rng.choice((1, 2, 3))
         question, answer, code = family(rng, difficulty)
         if question in seen:
@@ -589,10 +601,10 @@ def procedural_tasks(split: Split = "train", size: int | None = None) -> tuple[M
     size = full if size is None else size
     _check_size(size, full)
     if split == "train":
-        raw = _procedural(PROCEDURAL_TRAIN_SEED, size)
+        raw = sample_procedural(PROCEDURAL_TRAIN_SEED, size)
     else:
-        train = frozenset(q for q, *_ in _procedural(PROCEDURAL_TRAIN_SEED, TRAIN_SIZE))
-        raw = _procedural(PROCEDURAL_TEST_SEED, size, exclude=train)
+        train = frozenset(q for q, *_ in sample_procedural(PROCEDURAL_TRAIN_SEED, TRAIN_SIZE))
+        raw = sample_procedural(PROCEDURAL_TEST_SEED, size, exclude=train)
     return tuple(
         MathTask(
             task_id=f"procedural/{split}/{i:05d}",
