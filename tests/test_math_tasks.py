@@ -44,7 +44,7 @@ def test_task_ids_name_the_same_problem_on_every_build() -> None:
     assert fresh_gsm == gsm_symbolic_tasks("test")[:50]
     assert fresh_proc == procedural_tasks("test")[:50]
     assert math_tasks.sample_procedural(123, 20) == math_tasks.sample_procedural(123, 20)
-    assert math_tasks._procedural(123, 20) != math_tasks._procedural(124, 20)
+    assert math_tasks.sample_procedural(123, 20) != math_tasks.sample_procedural(124, 20)
 
 
 def test_size_takes_a_prefix_and_mixed_interleaves() -> None:
