@@ -240,6 +240,7 @@ def paired_overhead(factory: EnvFactory, make_policy: Callable[[], Policy], step
 
     wall: dict[str, float] = dict.fromkeys(["direct", *wrapped], 0.0)
     cpu: dict[str, float] = dict.fromkeys(["direct", *wrapped], 0.0)
+    env_seconds = 0.0  # time the streaming worker's env spent in its steps (EnvResult.env_seconds)
 
     def timed(name: str, call: Callable[[], Any], count_wall: bool) -> Any:
         c0, w0 = time.process_time(), time.perf_counter()
@@ -286,7 +287,10 @@ def paired_overhead(factory: EnvFactory, make_policy: Callable[[], Policy], step
                         name, functools.partial(direct.step, action), True
                     )
                 else:
-                    seen[name] = first_obs(name, timed(name, step_call(name, action), True))
+                    out = timed(name, step_call(name, action), True)
+                    seen[name] = first_obs(name, out)
+                    if name == "streaming":
+                        env_seconds += out[0].env_seconds
             for name, wobs in seen.items():
                 assert wobs == obs, f"{name} diverged from the direct env"
             if terminated or truncated:
@@ -305,12 +309,112 @@ def paired_overhead(factory: EnvFactory, make_policy: Callable[[], Policy], step
         "wall_overhead_vs_direct": {name: wall[name] / wall["direct"] - 1 for name in wrapped},
         "cpu_ms_per_step": {name: 1e3 * t / steps for name, t in cpu.items()},
         "cpu_overhead_vs_direct": {name: cpu[name] / cpu["direct"] - 1 for name in wrapped},
+        # What the wrapper itself adds: the caller's wait minus the time the env spent inside step, as a
+        # fraction of a direct step. Unlike the wall ratio it does not move with how fast the env happens
+        # to run in the worker vs this process (+-5 % between runs on a shared VM).
+        "streaming_wrapper_ms_per_step": 1e3 * (wall["streaming"] - env_seconds) / steps,
+        "streaming_wrapper_overhead_vs_direct": (wall["streaming"] - env_seconds) / wall["direct"],
+        "streaming_env_ms_per_step": 1e3 * env_seconds / steps,
         "loadavg_1min": os.getloadavg()[0],
     }
     print(f"  paired, {steps} identical steps: wall ms/step {_fmt(out['wall_ms_per_step'])}")
     print(f"  wall overhead vs direct: {_fmt(out['wall_overhead_vs_direct'], pct=True)}")
+    print(
+        f"  streaming wrapper cost {out['streaming_wrapper_ms_per_step']:.3f} ms/step "
+        f"({100 * out['streaming_wrapper_overhead_vs_direct']:.1f}% of a direct step; env inside the worker "
+        f"{out['streaming_env_ms_per_step']:.3f} ms)"
+    )
     print(f"  cpu ms/step (caller + worker) {_fmt(out['cpu_ms_per_step'])}")
     print(f"  cpu overhead vs direct: {_fmt(out['cpu_overhead_vs_direct'], pct=True)}")
+    return out
+
+
+class EchoTextEnv(gym.Env[str, str]):
+    """The cheapest Text env: ``step`` returns an observation and info the size of an ALFWorld step's
+    (~0.8 kB pickled). Through it a wrapper's per-step cost is all that is measured."""
+
+    observation_space = gym.spaces.Text(4096)
+    action_space = gym.spaces.Text(4096)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict]:
+        super().reset(seed=seed)
+        return "start", {}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        info = {"admissible_commands": [f"go to cabinet {i}" for i in range(20)], "won": False}
+        return f"You arrive at {action}. " + "On it, you see nothing. " * 16, 0.0, False, False, info
+
+
+def _ping_pong_floor(steps: int) -> float:
+    """Seconds per round trip of a pickled ~0.8 kB message between two bare processes over a socketpair:
+    the floor any process-per-worker design pays on this machine."""
+    import multiprocessing
+
+    parent, child = multiprocessing.Pipe()
+    proc = multiprocessing.get_context("spawn").Process(target=_echo_loop, args=(child,))
+    proc.start()
+    payload = EchoTextEnv().step("x")
+    for _ in range(50):
+        parent.send(payload)
+        parent.recv()
+    start = time.perf_counter()
+    for _ in range(steps):
+        parent.send(payload)
+        parent.recv()
+    seconds = (time.perf_counter() - start) / steps
+    parent.send(None)
+    proc.join()
+    return seconds
+
+
+def _echo_loop(conn: Any) -> None:
+    while (message := conn.recv()) is not None:
+        conn.send(message)
+
+
+def transport_cost(steps: int) -> dict[str, Any]:
+    """Microseconds per step of each wrapper around :class:`EchoTextEnv` (one sub-env, autoreset off),
+    against the bare env and a bare two-process ping-pong. Rounds of 200 steps rotate between wrappers;
+    the median round is reported."""
+    factory = EnvFactory(fn=EchoTextEnv)
+    disabled = VectorEnvConfig(autoreset_mode="Disabled")
+    direct = EchoTextEnv()
+    streaming = StreamingVectorEnv([factory], disabled)
+    inprocess = StreamingVectorEnv([factory], VectorEnvConfig(backend="inprocess", autoreset_mode="Disabled"))
+    gym_async = gym.vector.AsyncVectorEnv(
+        [factory], shared_memory=False, context="spawn", autoreset_mode="Disabled"
+    )
+    calls: dict[str, Callable[[], Any]] = {
+        "direct": functools.partial(direct.step, "a"),
+        "streaming": functools.partial(streaming.step, [0], ["a"]),
+        "streaming_inprocess": functools.partial(inprocess.step, [0], ["a"]),
+        "gym_async": functools.partial(gym_async.step, ("a",)),
+    }
+    try:
+        direct.reset(seed=0)
+        streaming.reset(seeds=0)
+        inprocess.reset(seeds=0)
+        gym_async.reset(seed=0)
+        rounds: dict[str, list[float]] = {name: [] for name in calls}
+        for k in range(max(1, steps // 200)):
+            for name in list(calls)[k % len(calls) :] + list(calls)[: k % len(calls)]:
+                call = calls[name]
+                start = time.perf_counter()
+                for _ in range(200):
+                    call()
+                rounds[name].append((time.perf_counter() - start) / 200)
+    finally:
+        streaming.close()
+        inprocess.close()
+        gym_async.close()
+    out: dict[str, Any] = {
+        "us_per_step": {name: 1e6 * statistics.median(r) for name, r in rounds.items()},
+        "ping_pong_floor_us": 1e6 * _ping_pong_floor(steps),
+        "steps": steps,
+        "loadavg_1min": os.getloadavg()[0],
+    }
+    print(f"  transport, median of {len(rounds['direct'])} rounds: us/step {_fmt(out['us_per_step'])}")
+    print(f"  bare two-process ping-pong (the floor): {out['ping_pong_floor_us']:.1f} us")
     return out
 
 
@@ -356,8 +460,16 @@ def main() -> None:
     parser.add_argument(
         "--paired-only", action="store_true", help="only redo the paired overhead measurement"
     )
+    parser.add_argument(
+        "--transport-steps", type=int, default=4000, help="steps of the echo-env transport measurement"
+    )
+    parser.add_argument(
+        "--transport", action="store_true", help="only redo the echo-env transport measurement"
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "vector.json")
     args = parser.parse_args()
+    if args.transport:
+        args.envs = []
 
     report: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
@@ -385,10 +497,16 @@ def main() -> None:
         env_report["paired_overhead_1env"] = paired_overhead(factory, make_policy, args.paired_steps)
         report["envs"][env_name] = env_report
 
+    if args.transport or not args.paired_only:
+        print("echo env (a wrapper's own cost per step)")
+        report["transport"] = transport_cost(args.transport_steps)
+
     args.out.parent.mkdir(parents=True, exist_ok=True)
     existing = json.loads(args.out.read_text()) if args.out.exists() else {}
-    if not args.paired_only:
-        existing.update({k: v for k, v in report.items() if k != "envs"})
+    if "transport" in report:
+        existing["transport"] = report["transport"]
+    if not (args.paired_only or args.transport):
+        existing.update({k: v for k, v in report.items() if k not in ("envs", "transport")})
     for env_name, env_report in report["envs"].items():  # --paired-only keeps the throughput table
         existing.setdefault("envs", {}).setdefault(env_name, {}).update(env_report)
     args.out.write_text(json.dumps(existing, indent=2) + "\n")

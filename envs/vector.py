@@ -201,6 +201,9 @@ class EnvResult:
     step: int
     next_episode_id: int | None = None
     error: str | None = None  # set only on failure results (also in info["error"])
+    env_seconds: float = 0.0
+    """Wall time the sub-env itself spent in this ``reset``/``step`` (SAME_STEP's extra reset included),
+    measured in its worker: the rest of the time a caller waited is the vector env's and the OS's."""
 
     @property
     def done(self) -> bool:
@@ -630,6 +633,7 @@ class StreamingVectorEnv:
                 env_id=env_id,
                 episode_id=sub.episode_id,
                 step=sub.step,
+                env_seconds=reply.env_seconds,
             )
             if reply.autoreset:  # SAME_STEP: the next episode has already begun
                 result.next_episode_id = self._next_episode

@@ -9,9 +9,12 @@ from __future__ import annotations
 import functools
 import os
 import random
+import select
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,8 @@ import psutil
 import pytest
 from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from streamrl.envs.vector import (
     EnvFactory,
     EnvResult,
@@ -33,6 +38,7 @@ from streamrl.envs.vector import (
     VectorEnvConfig,
     WorkerStartError,
 )
+from streamrl.envs.vector_workers import _Channel
 from vector_testenvs import ScriptedTextEnv
 
 BACKENDS = ["subprocess", "inprocess"]
@@ -464,3 +470,70 @@ def test_alfworld_group_is_won_by_the_expert_and_survives_a_killed_worker() -> N
         again = venv.reset([0], options={"task_id": task})
         (final,) = _play(venv, ALFWorldExpertAgent(), again)
         assert final.info["won"] and venv.restarts == 1
+
+
+# ------------------------------------------------------------------------------------------------------
+# The worker channel: framing survives any chunking; large payloads cross intact
+# ------------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 200_000), min_size=1, max_size=12),
+    blocking=st.lists(st.booleans(), min_size=1),
+)
+def test_channel_delivers_every_frame_in_order_then_eof(sizes: list[int], blocking: list[bool]) -> None:
+    """Frames of any size (around and across the 64 KiB read chunk) arrive whole, in order, whether read
+    with the blocking ``recv`` (the worker) or the non-blocking ``recv_ready`` (the caller), then EOF."""
+    left, right = socket.socketpair()
+    sender, receiver = _Channel(left), _Channel(right)
+    sent = [bytes([i % 251]) * n for i, n in enumerate(sizes)]
+
+    def send_all() -> None:
+        for payload in sent:
+            sender.send(payload)
+        sender.close()
+
+    thread = threading.Thread(target=send_all)
+    thread.start()
+    got: list[Any] = []
+    k = 0
+    while len(got) < len(sent):
+        if blocking[k % len(blocking)]:
+            got.append(receiver.recv())
+        else:
+            select.select([receiver], [], [], 5.0)
+            got.extend(receiver.recv_ready())
+        k += 1
+    thread.join()
+    assert got == sent
+    with pytest.raises(EOFError):
+        receiver.recv_ready()
+    with pytest.raises(EOFError):
+        receiver.recv()
+    receiver.close()
+
+
+@pytest.mark.parametrize("envs_per_worker", [1, 2])
+def test_megabyte_actions_and_observations_cross_the_process_boundary(envs_per_worker: int) -> None:
+    action = "go " * 400_000  # 1.2 MB each way: many read chunks, and the worker's send blocks meanwhile
+    config = VectorEnvConfig(autoreset_mode="Disabled", envs_per_worker=envs_per_worker)
+    with StreamingVectorEnv([_scripted(episode_len=2)] * 2, config) as venv:
+        venv.reset(seeds=[0, 1])
+        results = venv.step([0, 1], [action, action + "x"])
+        direct = ScriptedTextEnv(episode_len=2)
+        direct.reset(seed=1)
+        assert results[1].obs == direct.step(action + "x")[0]
+        assert len(results[0].obs) > len(action)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_env_seconds_is_the_time_spent_inside_the_env(backend: str) -> None:
+    latency = 0.03
+    config = VectorEnvConfig(backend=backend, autoreset_mode="Disabled")
+    with StreamingVectorEnv([_scripted(latency=latency)], config) as venv:
+        venv.reset(seeds=0)
+        start = time.perf_counter()
+        (result,) = venv.step([0], ["a"])
+        waited = time.perf_counter() - start
+    assert latency <= result.env_seconds <= waited
