@@ -171,6 +171,7 @@ class HFBackend:
         self._seeds = random.Random(self.config.seed)
         self._version = 0
         self._adapter_name: str | None = None
+        self._loads = 0  # adapters loaded so far (each gets a fresh peft adapter name)
         self.pad_token_id = int(
             self.tokenizer.pad_token_id
             if self.tokenizer.pad_token_id is not None
@@ -216,12 +217,12 @@ class HFBackend:
             path = os.fspath(path)
             if not os.path.isfile(os.path.join(path, "adapter_config.json")):
                 raise FileNotFoundError(f"{path} is not a peft adapter directory (no adapter_config.json)")
-            name = f"v{version}"
+            # A fresh name per load: the new weights are loaded next to the served ones, switched to, and only
+            # then is everything else dropped (re-publishing a version number, or going back to an adapter
+            # after serving the base weights, needs no special case).
+            self._loads += 1
+            name = f"v{version}-load{self._loads}"
             if isinstance(self._model, PeftModel):
-                if name in self._model.peft_config:  # re-publishing a version replaces it
-                    if self._model.active_adapter == name:
-                        self._model.set_adapter(self._placeholder_adapter(name))
-                    self._model.delete_adapter(name)
                 self._model.load_adapter(path, adapter_name=name, is_trainable=False)
                 self._model.set_adapter(name)
                 for old in [n for n in self._model.peft_config if n != name]:
@@ -234,12 +235,6 @@ class HFBackend:
             self._model.eval()
             self._adapter_name = name
             self._version = version
-
-    def _placeholder_adapter(self, avoid: str) -> str:
-        others = [n for n in self._model.peft_config if n != avoid]
-        if not others:
-            raise RuntimeError("internal: cannot replace the only loaded adapter in place")
-        return others[0]
 
     @contextmanager
     def _serving(self) -> Iterator[None]:

@@ -133,6 +133,8 @@ def test_lora_roundtrip_reference_and_backend_versions(tmp_path: Path) -> None:
     assert _maxdiff(backend.score(seqs, plens)[0], tuned_lp[0, 1:].tolist()) < 1e-5
     backend.set_adapter(None, 3)  # base weights
     assert _maxdiff(backend.score(seqs, plens)[0], base_lp[0, 1:].tolist()) < 1e-5
+    backend.set_adapter(adapter, 2)  # back to the adapter still loaded under that version: served again
+    assert _maxdiff(backend.score(seqs, plens)[0], tuned_lp[0, 1:].tolist()) < 1e-5
     with pytest.raises(FileNotFoundError, match=r"adapter_config\.json"):
         backend.set_adapter(tmp_path, 4)
 
