@@ -429,7 +429,10 @@ class StreamingVectorEnv:
         it and the action is ignored, as in Gymnasium's NEXT_STEP mode). Either all calls are sent or,
         on a bad argument, none.
         """
-        ids = self._check_ids(env_ids)
+        self._send(self._check_ids(env_ids), actions)
+
+    def _send(self, ids: list[int], actions: Sequence[Any]) -> None:
+        """:meth:`send` for already checked ``ids``."""
         if len(actions) != len(ids):
             raise ValueError(
                 f"got {len(actions)} actions for {len(ids)} env ids {ids}; pass one action per env"
@@ -503,7 +506,7 @@ class StreamingVectorEnv:
     ) -> list[EnvResult]:
         """:meth:`send` and wait for those results, in ``env_ids`` order (others stay queued for recv)."""
         ids = self._check_ids(env_ids)
-        self.send(ids, actions)
+        self._send(ids, actions)
         return self._wait_for(ids, timeout)
 
     def close(self) -> None:
