@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import functools
 import os
+import pickle
 import random
 import select
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -537,3 +539,18 @@ def test_env_seconds_is_the_time_spent_inside_the_env(backend: str) -> None:
         (result,) = venv.step([0], ["a"])
         waited = time.perf_counter() - start
     assert latency <= result.env_seconds <= waited
+
+
+def test_channel_drops_a_frame_cut_off_by_the_peers_death() -> None:
+    """A worker killed while sending leaves half a frame: no message comes out of it, then EOF."""
+    left, right = socket.socketpair()
+    receiver = _Channel(right)
+    _Channel(left).send("whole")
+    frame = pickle.dumps("cut off" * 1000)
+    left.sendall(struct.pack("!Q", len(frame)) + frame[: len(frame) // 2])
+    left.close()
+    select.select([receiver], [], [], 5.0)
+    assert receiver.recv_ready() == ["whole"]
+    with pytest.raises(EOFError):
+        receiver.recv_ready()
+    receiver.close()
