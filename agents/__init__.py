@@ -45,9 +45,11 @@ _EXPORTS = {
     "MathSolverAgent": "math_solver",
     "ALFWorldExpertAgent": "alfworld_agents",
     "ALFWorldRandomAgent": "alfworld_agents",
+    "ALFWorldSearchAgent": "alfworld_agents",
     "RandomTextAgent": "random_agent",
     "SFTConfig": "sft",
     "sft_checkpoint": "sft",
+    "sft_config": "sft",
 }
 
 __all__ = sorted(_EXPORTS)

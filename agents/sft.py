@@ -47,7 +47,7 @@ from streamrl.agents.prompts import ALFWorldPrompt, MathTIRPrompt, PromptFormat
 from streamrl.agents.rollout import play_episode
 from streamrl.agents.trajectory import TokenSequence, Trajectory, finalize
 
-_RECIPE = 2  # bump when the data rendering or training loop changes
+_RECIPE = 3  # bump when the data rendering or training loop changes
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -71,12 +71,29 @@ class EnvSpec:
     """Given an env instance, a predicate on task ids: the tasks SFT trains on and ``evaluate`` plays."""
     synthetic_tasks: Callable[[int, int], list[Any]] | None = None
     """``(n, seed) -> n`` extra generated training tasks (passed to the env as ``tasks=``), or ``None``."""
+    random_action: Callable[[Mapping[str, Any], random.Random], str] | None = None
+    """``(info, rng) -> action``: a random action for DART-style noise in expert episodes, or ``None`` (no
+    noise possible)."""
+    expert_env_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Env kwargs (over ``env_kwargs``) while the expert plays, e.g. a longer step budget for its searches."""
 
 
 def _alfworld_expert(env: Any) -> Agent:
-    from streamrl.agents.alfworld_agents import ALFWorldExpertAgent
+    from streamrl.agents.alfworld_agents import ALFWorldSearchAgent
 
-    return ALFWorldExpertAgent()
+    return ALFWorldSearchAgent()
+
+
+def _alfworld_random_action(info: Mapping[str, Any], rng: random.Random) -> str:
+    """A random admissible command ("help" left out: its long reply says nothing about the room), a quarter
+    of the time with its number changed ("open drawer 2" -> "open drawer 5"): mostly an inadmissible command,
+    the typical slip of a small model, after which the expert shows how to go on from "Nothing happens."."""
+    commands = sorted(str(c) for c in info.get("admissible_commands") or [] if c != "help")
+    command = rng.choice(commands) if commands else "look"
+    head, _, number = command.rpartition(" ")
+    if number.isdigit() and rng.random() < 0.25:
+        command = f"{head} {rng.choice([n for n in range(1, 10) if n != int(number)])}"
+    return command
 
 
 def _math_expert(env: Any) -> Agent:
@@ -127,17 +144,21 @@ ENV_SPECS: dict[str, EnvSpec] = {
         gym_id="streamrl/ALFWorld-v0",
         train_split="train",
         eval_splits=("eval_seen", "eval_unseen"),
-        # The admissible-command list is left out: it is ~300 tokens per turn, which would make the full
-        # history of a 30-step episode overflow a small model's context and SFT 6x slower; the tiny model
-        # learns to write commands from the observation instead (invalid ones cost a turn). Measured: with the
-        # list and a 2-turn window, 6 epochs on the 128 training games (12 min) leave the action loss at 1.1
-        # and the greedy policy repeats one command (0% success, 3% valid actions on train).
-        prompt=lambda: ALFWorldPrompt(list_admissible=False),
-        # Full history (SPO++ setting): expert episodes are short; a failing 30-step episode still fits.
-        context=ContextPolicy(mode="full", max_context_tokens=2048),
+        # The expert (ALFWorldSearchAgent) decides from the task, the room description (both in the first
+        # observation, which a window always keeps), the current observation and the admissible commands, so
+        # the policy sees exactly that: a window of one past turn, and the admissible commands without the
+        # ~25 "go to" ones (the room description names every receptacle), ~350 tokens a turn. Measured with
+        # the omniscient walkthrough expert instead (its moves cannot be inferred from the observations):
+        # 0% success in every variant (full history or window, with or without the list, 6-20 epochs).
+        prompt=lambda: ALFWorldPrompt(list_admissible=True, list_go_to=False),
+        context=ContextPolicy(mode="window", window_turns=1, max_context_tokens=1024),
         max_new_tokens=24,
         expert=_alfworld_expert,
-        env_kwargs={"max_steps": 30},
+        env_kwargs={"max_steps": 50},  # ALFWorld's own limit
+        random_action=_alfworld_random_action,
+        # Searching takes long in kitchens with many closed cabinets: the expert wins 111/128 training games
+        # within 50 steps, all 128 within 100 (tests/test_alfworld_agents.py).
+        expert_env_kwargs={"max_steps": 100},
     ),
     "math_tir": EnvSpec(
         gym_id="streamrl/MathTIR-v0",
@@ -226,11 +247,30 @@ class TeacherForcedBackend:
 
 
 class TeacherForcedAgent:
-    """Plays an expert's actions while recording them as an ``LLMAgent`` would have generated them."""
+    """Plays an expert's actions while recording them as an ``LLMAgent`` would have generated them.
+
+    With ``noise > 0`` (DART, Laskey et al. 2017, arXiv:1703.09327), each turn is, with that probability, a
+    ``random_action`` instead of the expert's: the episode then visits states off the expert's path, and the
+    expert's next actions are recovery demonstrations. Noise turns stay in the trajectory (as context of the
+    turns after them) but are not trained on: their indices are in ``info["noise_turns"]`` and
+    ``info["untrained_turns"]``, which ``sequences_of`` masks. The
+    expert must decide from the state, not from a plan (``ALFWorldSearchAgent``, not the walkthrough).
+    """
 
     def __init__(
-        self, expert: Agent, tokenizer: Any, prompt_format: PromptFormat, context: ContextPolicy
+        self,
+        expert: Agent,
+        tokenizer: Any,
+        prompt_format: PromptFormat,
+        context: ContextPolicy,
+        noise: float = 0.0,
+        random_action: Callable[[Mapping[str, Any], random.Random], str] | None = None,
+        seed: int = 0,
     ) -> None:
+        if not 0.0 <= noise < 1.0:
+            raise ValueError(f"noise must be in [0, 1), got {noise}")
+        if noise and random_action is None:
+            raise ValueError(f"noise={noise} needs a random_action to inject")
         self.expert = expert
         self.backend = TeacherForcedBackend(tokenizer)
         self.llm = LLMAgent(
@@ -238,6 +278,9 @@ class TeacherForcedAgent:
         )
         eos = tokenizer.eos_token_id
         self._eos = [int(eos)] if eos is not None else []
+        self.noise, self.random_action, self._rng = noise, random_action, random.Random(seed)
+        self._noise_turns: dict[EpisodeId, list[int]] = {}
+        self._turns: dict[EpisodeId, int] = {}
 
     def act(
         self,
@@ -246,13 +289,25 @@ class TeacherForcedAgent:
         episode_ids: Sequence[EpisodeId],
     ) -> list[str]:
         actions = self.expert.act(observations, infos, episode_ids)
+        for i, (info, eid) in enumerate(zip(infos, episode_ids, strict=True)):
+            turn = self._turns.get(eid, 0)
+            self._turns[eid] = turn + 1
+            if self.noise and self._rng.random() < self.noise:
+                assert self.random_action is not None
+                actions[i] = self.random_action(info, self._rng)
+                self._noise_turns.setdefault(eid, []).append(turn)
         self.backend.queue = [self.llm.chat.encode(a) + self._eos for a in actions]
         self.llm.act(observations, infos, episode_ids)
         return actions
 
     def end_episode(self, episode_id: EpisodeId) -> Trajectory:
         self.expert.end_episode(episode_id)
-        return self.llm.end_episode(episode_id)
+        noise_turns = self._noise_turns.pop(episode_id, [])
+        self._turns.pop(episode_id, None)
+        trajectory = self.llm.end_episode(episode_id)
+        trajectory.info["noise_turns"] = list(noise_turns)
+        trajectory.info["untrained_turns"] = list(noise_turns)
+        return trajectory
 
 
 def expert_trajectories(
@@ -262,29 +317,53 @@ def expert_trajectories(
     limit: int | None = None,
     synthetic: int = 0,
     seed: int = 0,
+    replays: int = 1,
+    noise: float = 0.0,
 ) -> list[Trajectory]:
     """Won expert episodes of ``env_name`` as trajectories: every task of the split (or the first ``limit``),
-    then ``synthetic`` generated tasks (``EnvSpec.synthetic_tasks``; an error for envs without a generator)."""
+    then ``synthetic`` generated tasks (``EnvSpec.synthetic_tasks``; an error for envs without a generator).
+
+    Each split task is played ``replays`` times: the first time by the expert alone, then with DART noise
+    ``noise`` (``TeacherForcedAgent``; needs ``EnvSpec.random_action``), each replay with its own draws.
+    """
     spec = env_spec(env_name)
-    sources: list[tuple[Any, list[str]]] = []
-    env = make_env(env_name, split or spec.train_split)
-    sources.append((env, task_ids_of(env, env_name)[:limit]))
+    if replays < 1:
+        raise ValueError(f"replays must be >= 1, got {replays}")
+    if noise and spec.random_action is None:
+        raise ValueError(
+            f"env {env_name!r} has no random_action for DART noise; noise must be 0, got {noise}"
+        )
+    sources: list[tuple[Any, list[str], float, int]] = []
+    env = make_env(env_name, split or spec.train_split, **dict(spec.expert_env_kwargs))
+    task_ids = task_ids_of(env, env_name)[:limit]
+    sources.append((env, task_ids, 0.0, seed))
+    for replay in range(1, replays):
+        sources.append((env, task_ids, noise, seed * 1000 + replay))
     if synthetic:
         if spec.synthetic_tasks is None:
             raise ValueError(f"env {env_name!r} has no task generator; synthetic must be 0, got {synthetic}")
         tasks = spec.synthetic_tasks(synthetic, seed)
-        sources.append((make_env(env_name, spec.train_split, tasks=tasks), [t.task_id for t in tasks]))
+        synth_env = make_env(env_name, spec.train_split, tasks=tasks, **dict(spec.expert_env_kwargs))
+        sources.append((synth_env, [t.task_id for t in tasks], 0.0, seed))
     out: list[Trajectory] = []
     try:
-        for source_env, task_ids in sources:
-            agent = TeacherForcedAgent(spec.expert(source_env), tokenizer, spec.prompt(), spec.context)
-            for task_id in task_ids:
+        for source_env, source_ids, source_noise, source_seed in sources:
+            agent = TeacherForcedAgent(
+                spec.expert(source_env),
+                tokenizer,
+                spec.prompt(),
+                spec.context,
+                noise=source_noise,
+                random_action=spec.random_action,
+                seed=source_seed,
+            )
+            for task_id in source_ids:
                 result = play_episode(source_env, agent, options={"task_id": task_id})
                 trajectory = finalize(result)
                 if trajectory.won and "context_exhausted" not in trajectory.info:
                     out.append(trajectory)
     finally:
-        for source_env, _ in sources:
+        for source_env in {id(s[0]): s[0] for s in sources}.values():
             source_env.close()
     return out
 
@@ -293,19 +372,31 @@ def expert_trajectories(
 # Training
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SFTConfig:
-    """Behaviour-cloning recipe. Every field is part of the checkpoint's cache key."""
+    """Behaviour-cloning recipe. Every field is part of the checkpoint's cache key.
 
+    The defaults are generic; ``sft_config(env)`` gives the measured recipe of one env (``SFT_RECIPES``).
+    """
+
+    envs: tuple[str, ...]
+    """Envs whose expert data is mixed into one training set (one checkpoint plays all of them). One env per
+    checkpoint is the recommended use: on ``tiny``, training on both envs together left Math-TIR at 3%."""
     model: str = "tiny"
     """Registry name or local HF directory of the model to fine-tune."""
-    envs: tuple[str, ...] = ("alfworld", "math_tir")
-    """Envs whose expert data is mixed into one training set (one checkpoint plays all of them)."""
     max_expert_episodes: int = 0
     """Per env, the first tasks of the training split (ALFWorld has 128, Math-TIR 271 in
     ``MATH_SFT_FAMILIES``); 0 = all."""
     synthetic_episodes: int = 3000
     """Per env with a task generator (Math-TIR), extra expert episodes on freshly generated training tasks."""
+    expert_replays: int = 1
+    """Times each training task is played: once by the expert alone, then with DART noise (below)."""
+    expert_noise: float = 0.0
+    """Per-turn probability of a random action in the replays (envs with ``EnvSpec.random_action``)."""
+    downsample: tuple[tuple[str, float], ...] = ()
+    """``(action prefix, keep probability)`` pairs: an expert turn whose action starts with the prefix is a
+    training target with that probability, otherwise context only (``mask_turns``). ALFWorld keeps a quarter
+    of its ``go to`` search steps, ~60% of all turns, to spend the budget on the rarer decisions."""
     epochs: int = 3
     batch_size: int = 4
     """Sequences per step (small batches: more updates per token, which is what a few minutes buy)."""
@@ -317,23 +408,89 @@ class SFTConfig:
     lora: LoRAConfig | None = None
     """``None`` = full fine-tuning; otherwise train (and save) a LoRA adapter merged into the checkpoint."""
     seed: int = 0
+    init_from: str | None = None
+    """An env name: start from that env's SFT checkpoint (``sft_config(init_from, model=model)``, its recipe
+    and seed, trained first if not cached) instead of the bare ``model`` -- a curriculum. ALFWorld starts from
+    Math-TIR's: the copy skills learnt there (question -> program, output -> answer) are what ALFWorld's
+    commands need (copy an admissible command, a receptacle name)."""
 
     def __post_init__(self) -> None:
-        for name in self.envs:
+        if not self.envs or isinstance(self.envs, str):
+            raise ValueError(f"envs must be a non-empty tuple of env names, got {self.envs!r}")
+        for name in (*self.envs, *([self.init_from] if self.init_from is not None else [])):
             env_spec(name)
+        if self.init_from is not None and self.init_from in SFT_RECIPES:
+            if SFT_RECIPES[self.init_from].get("init_from") is not None:
+                raise ValueError(f"init_from={self.init_from!r}: that recipe has an init_from itself")
+        if any(not 0.0 < p <= 1.0 for _, p in self.downsample):
+            raise ValueError(f"downsample keep probabilities must be in (0, 1], got {self.downsample}")
+        if self.expert_replays < 1 or not 0.0 <= self.expert_noise < 1.0:
+            raise ValueError(
+                f"expert_replays must be >= 1 and expert_noise in [0, 1), got {self.expert_replays}, "
+                f"{self.expert_noise}"
+            )
         if self.epochs < 1 or self.batch_size < 1:
             raise ValueError(f"epochs and batch_size must be >= 1, got {self.epochs}, {self.batch_size}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
 
+    def start(self) -> SFTConfig | None:
+        """The config of the checkpoint this one starts from (``init_from``), or ``None`` (bare ``model``)."""
+        return None if self.init_from is None else sft_config(self.init_from, model=self.model)
+
     def key(self) -> str:
         model_key = resolve_model(self.model).name
-        blob = json.dumps({"config": asdict(self), "model_dir": model_key, "recipe": _RECIPE}, sort_keys=True)
+        start = self.start()
+        blob = json.dumps(
+            {
+                "config": asdict(self),
+                "model_dir": model_key,
+                "recipe": _RECIPE,
+                "start": start.key() if start is not None else None,
+            },
+            sort_keys=True,
+        )
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+def _downsample(
+    trajectories: Sequence[Trajectory], rules: Sequence[tuple[str, float]], rng: random.Random
+) -> None:
+    """Add to ``info["untrained_turns"]`` each turn whose action starts with a rule's prefix, unless a draw
+    falls under the rule's keep probability (``SFTConfig.downsample``)."""
+    if not rules:
+        return
+    for traj in trajectories:
+        untrained = set(traj.info.get("untrained_turns", ()))
+        for i, turn in enumerate(traj.turns):
+            keep = next((p for prefix, p in rules if turn.action.startswith(prefix)), 1.0)
+            if keep < 1.0 and rng.random() >= keep:
+                untrained.add(i)
+        traj.info["untrained_turns"] = sorted(untrained)
+
+
 def sequences_of(trajectories: Sequence[Trajectory]) -> list[TokenSequence]:
-    return [s for t in trajectories for s in t.sequences if s.num_action_tokens]
+    """The training sequences of ``trajectories``: those with action tokens, where the turns listed in
+    ``info["untrained_turns"]`` (noise, downsampled) are context (mask 0) -- copies; trajectories unchanged."""
+    out: list[TokenSequence] = []
+    for traj in trajectories:
+        sequences = list(traj.sequences)
+        for index in traj.info.get("untrained_turns", ()):
+            turn = traj.turns[index]
+            if turn.sequence < 0 or turn.action_span[0] == turn.action_span[1]:
+                continue
+            seq = sequences[turn.sequence]
+            if seq is traj.sequences[turn.sequence]:  # copy before the first change
+                seq = sequences[turn.sequence] = TokenSequence(
+                    list(seq.token_ids),
+                    list(seq.action_mask),
+                    list(seq.rollout_logprobs),
+                    list(seq.token_versions),
+                )
+            for k in range(*turn.action_span):
+                seq.action_mask[k], seq.rollout_logprobs[k], seq.token_versions[k] = 0, 0.0, -1
+        out.extend(s for s in sequences if s.num_action_tokens)
+    return out
 
 
 def sft_loss(model: Any, batch: Sequence[TokenSequence], pad_token_id: int) -> tuple[torch.Tensor, int]:
@@ -398,27 +555,58 @@ def train_sft(
     return losses
 
 
-def sft_checkpoint(config: SFTConfig | None = None, log: Callable[[str], None] = print) -> Path:
-    """The fine-tuned model directory for ``config``, trained and cached on first use."""
-    config = config or SFTConfig()
+SFT_RECIPES: dict[str, dict[str, Any]] = {
+    "alfworld": {
+        "init_from": "math_tir",
+        "expert_replays": 2,
+        "expert_noise": 0.15,
+        "downsample": (("go to ", 0.25),),
+        "epochs": 2,
+        "lr": 5e-3,
+    },
+    "math_tir": {"synthetic_episodes": 3000, "epochs": 5, "lr": 5e-3},
+}
+"""Per env, the ``SFTConfig`` fields of its measured recipe (rates and times in the module doc)."""
+
+
+def sft_config(env_name: str, **overrides: Any) -> SFTConfig:
+    """The SFT recipe of one env (``SFT_RECIPES``) with ``overrides``: the config of its own checkpoint."""
+    env_spec(env_name)
+    return SFTConfig(envs=(env_name,), **{**SFT_RECIPES[env_name], **overrides})
+
+
+def sft_checkpoint(config: SFTConfig | str, log: Callable[[str], None] = print) -> Path:
+    """The fine-tuned model directory for ``config`` (or for env name ``config``'s recipe, ``sft_config``),
+    trained and cached on first use::
+
+        HFBackend(sft_checkpoint("math_tir"))   # start Math-TIR RL from its SFT checkpoint
+    """
+    if isinstance(config, str):
+        config = sft_config(config)
     base = resolve_model(config.model)
     target = cache_root() / "sft" / f"{base.name}-sft-{config.key()}"
     target.parent.mkdir(parents=True, exist_ok=True)
 
     def build(out: Path) -> None:
+        start = config.start()  # the checkpoint to start from is built (or found) first, under its own lock
+        start_dir = None if start is None else sft_checkpoint(start, log)
         tokenizer = load_tokenizer(base)
         data: list[Trajectory] = []
         stats: dict[str, Any] = {}
         for name in config.envs:
             started = time.perf_counter()
             synthetic = config.synthetic_episodes if env_spec(name).synthetic_tasks is not None else 0
+            noisy = env_spec(name).random_action is not None
             trajs = expert_trajectories(
                 name,
                 tokenizer,
                 limit=config.max_expert_episodes or None,
                 synthetic=synthetic,
                 seed=config.seed,
+                replays=config.expert_replays if noisy else 1,
+                noise=config.expert_noise if noisy else 0.0,
             )
+            _downsample(trajs, config.downsample, random.Random(config.seed))
             seqs = sequences_of(trajs)
             stats[name] = {
                 "episodes": len(trajs),
@@ -431,7 +619,7 @@ def sft_checkpoint(config: SFTConfig | None = None, log: Callable[[str], None] =
             data.extend(trajs)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
-            model = load_model(base)
+            model = load_model(base if start_dir is None else start_dir)
             if config.lora is not None:
                 model = wrap_lora(model, config.lora)
             started = time.perf_counter()
@@ -443,6 +631,7 @@ def sft_checkpoint(config: SFTConfig | None = None, log: Callable[[str], None] =
         report = {
             "config": asdict(config),
             "base_model": str(base),
+            "start": None if start_dir is None else str(start_dir),
             "data": stats,
             "steps": len(losses),
             "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
@@ -516,19 +705,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], prog="python -m streamrl.agents.sft"
     )
-    defaults = SFTConfig()
-    parser.add_argument("--model", default=defaults.model)
-    parser.add_argument("--envs", nargs="+", default=list(defaults.envs), choices=sorted(ENV_SPECS))
-    parser.add_argument("--epochs", type=int, default=defaults.epochs)
-    parser.add_argument("--lr", type=float, default=defaults.lr)
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--max-expert-episodes", type=int, default=defaults.max_expert_episodes)
-    parser.add_argument("--synthetic-episodes", type=int, default=defaults.synthetic_episodes)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument(
+        "--envs",
+        nargs="+",
+        default=sorted(ENV_SPECS),
+        choices=sorted(ENV_SPECS),
+        help="one checkpoint per env, each with its recipe (SFT_RECIPES), unless --joint",
+    )
+    parser.add_argument("--joint", action="store_true", help="one checkpoint trained on all --envs together")
+    # Recipe overrides (default: the env's recipe).
+    for flag, kind in (
+        ("--epochs", int),
+        ("--lr", float),
+        ("--batch-size", int),
+        ("--max-expert-episodes", int),
+        ("--synthetic-episodes", int),
+        ("--expert-replays", int),
+        ("--expert-noise", float),
+        ("--seed", int),
+    ):
+        parser.add_argument(flag, type=kind, default=None, help="default: the env's recipe")
     parser.add_argument("--eval-episodes", type=int, default=64, help="per split; 0 skips evaluation")
     parser.add_argument("--baseline", action="store_true", help="also evaluate the untrained model")
     parser.add_argument(
-        "--temperature", type=float, default=1.0, help="evaluation sampling temperature (0 = greedy)"
+        "--temperature",
+        type=float,
+        nargs="+",
+        default=[0.0, 1.0],
+        help="evaluation sampling temperature(s) (0 = greedy)",
     )
     parser.add_argument(
         "--eval-batch", type=int, default=32, help="episodes played concurrently in evaluation"
@@ -537,26 +742,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the JSON report here too")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    config = SFTConfig(
-        model=args.model,
-        envs=tuple(args.envs),
-        epochs=args.epochs,
-        lr=args.lr,
-        batch_size=args.batch_size,
-        max_expert_episodes=args.max_expert_episodes,
-        synthetic_episodes=args.synthetic_episodes,
-        seed=args.seed,
-    )
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    started = time.perf_counter()
-    path = sft_checkpoint(config, log)
-    report: dict[str, Any] = {
-        "checkpoint": str(path),
-        "sft": json.loads((path / "streamrl_sft.json").read_text()),
-        "checkpoint_s": round(time.perf_counter() - started, 1),
-        "eval": [],
+    names = ("epochs", "lr", "batch_size", "max_expert_episodes", "synthetic_episodes", "expert_replays")
+    overrides: dict[str, Any] = {
+        k: getattr(args, k) for k in (*names, "expert_noise", "seed") if getattr(args, k) is not None
     }
-    if args.eval_episodes:
+    overrides["model"] = args.model
+    if args.joint:
+        configs = [SFTConfig(envs=tuple(args.envs), **overrides)]
+    else:
+        configs = [sft_config(name, **overrides) for name in args.envs]
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    report: dict[str, Any] = {"checkpoints": []}
+    for config in configs:
+        started = time.perf_counter()
+        path = sft_checkpoint(config, log)
+        entry: dict[str, Any] = {
+            "checkpoint": str(path),
+            "sft": json.loads((path / "streamrl_sft.json").read_text()),
+            "checkpoint_s": round(time.perf_counter() - started, 1),
+            "eval": [],
+        }
+        report["checkpoints"].append(entry)
+        if not args.eval_episodes:
+            continue
         models = [("sft", str(path))] + (
             [("untrained", str(resolve_model(config.model)))] if args.baseline else []
         )
@@ -564,15 +772,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             backend = HFBackend(model_dir, config=HFBackendConfig(device="cpu"))
             for name in config.envs:
                 spec = env_spec(name)
-                for split in (spec.train_split, *spec.eval_splits):
-                    sampling = SamplingParams(
-                        max_new_tokens=spec.max_new_tokens, temperature=args.temperature
-                    )
-                    result = evaluate(backend, name, split, args.eval_episodes, sampling, args.eval_batch)
-                    result["model"] = label
-                    result["temperature"] = args.temperature
-                    log(json.dumps(result))
-                    report["eval"].append(result)
+                for temperature in args.temperature:
+                    for split in (spec.train_split, *spec.eval_splits):
+                        sampling = SamplingParams(max_new_tokens=spec.max_new_tokens, temperature=temperature)
+                        result = evaluate(backend, name, split, args.eval_episodes, sampling, args.eval_batch)
+                        result["model"] = label
+                        result["temperature"] = temperature
+                        log(json.dumps(result))
+                        entry["eval"].append(result)
     text = json.dumps(report, indent=2)
     print(text)
     if args.out is not None:

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from streamrl.agents import sft as sft_module
 from streamrl.agents.base import SamplingParams
 from streamrl.agents.hf_backend import HFBackend
 from streamrl.agents.models import load_tokenizer, resolve_model
@@ -15,6 +16,7 @@ from streamrl.agents.sft import (
     expert_trajectories,
     sequences_of,
     sft_checkpoint,
+    sft_config,
     sft_loss,
 )
 
@@ -42,6 +44,46 @@ def test_expert_data_is_the_agents_rendering(env_name: str, tokenizer) -> None: 
             seq = traj.sequences[following.sequence]
             ctx = tokenizer.decode([t for t, m in zip(seq.token_ids, seq.action_mask, strict=True) if not m])
             assert turn.observation.strip() in ctx
+
+
+def test_dart_noise_turns_are_context_not_targets(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # Two plays of 6 games: the expert alone, then with 30% random actions (the searching expert recovers and
+    # wins nearly all); every random action stays in the trajectory (as context) without being trained on.
+    trajs = expert_trajectories("alfworld", tokenizer, limit=6, replays=2, noise=0.3, seed=1)
+    assert len(trajs) >= 10 and all(not t.info["noise_turns"] for t in trajs[:6])  # the clean play first
+    assert sum(len(t.info["noise_turns"]) for t in trajs[6:]) >= 6
+    for traj in trajs:
+        traj.validate()  # the record itself is untouched: the noise turns were generated like any other
+        assert traj.info["untrained_turns"] == traj.info["noise_turns"]
+    expected = [
+        (t.sequences[turn.sequence], turn.action_span)
+        for t in trajs
+        for i, turn in enumerate(t.turns)
+        if i not in t.info["noise_turns"]
+    ]
+    # Window context: one sequence per turn, so exactly the expert's turns remain, each trained on in full.
+    trained = sequences_of(trajs)
+    assert len(trained) == len(expected)
+    for seq, (original, (start, end)) in zip(trained, expected, strict=True):
+        assert seq.token_ids == original.token_ids
+        assert [k for k, m in enumerate(seq.action_mask) if m] == list(range(start, end))
+
+
+def test_per_env_recipes_chain_their_cache_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ALFWorld starts from Math-TIR's checkpoint: its key must change whenever the Math-TIR recipe does.
+    alfworld, math = sft_config("alfworld"), sft_config("math_tir")
+    assert alfworld.envs == ("alfworld",) and alfworld.start() == math and math.start() is None
+    before = alfworld.key()
+    monkeypatch.setitem(
+        sft_module.SFT_RECIPES, "math_tir", {**sft_module.SFT_RECIPES["math_tir"], "epochs": 1}
+    )
+    assert sft_config("alfworld").key() != before
+    with pytest.raises(ValueError, match="non-empty tuple"):
+        SFTConfig(envs="alfworld")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown env 'minecraft'"):
+        sft_config("alfworld", init_from="minecraft")
+    with pytest.raises(ValueError, match="keep probabilities"):
+        sft_config("alfworld", downsample=(("go to ", 0.0),))
 
 
 def test_sft_loss_counts_only_action_tokens(tokenizer) -> None:  # type: ignore[no-untyped-def]
