@@ -34,9 +34,8 @@ rate greedy / sampled at temperature 1; Math-TIR on the first 64 family tasks of
   2e-3 and 1e-2 did not rescue seed 1 (0-3%).
 - **ALFWorld** (recipe: 128 expert episodes, 2 epochs from the Math-TIR checkpoint, ~6 min): 0% on all three
   splits, greedy and sampled; 0% in every other variant tried too (greedy; sampled on train): from
-  scratch, window of 0 or 1 past turns, 1-2 epochs, with DART
-  noise (0.15-0.2), with 1/4 of the ``go to`` turns; 6-9 min each (full history was too slow to evaluate:
-  prompts of up to 4k tokens). The greedy policy repeats an inadmissible command (``go to`` the receptacle
+  scratch, window of 0 or 1 past turns, 1-2 epochs, with DART noise (0.15-0.2), with 1/4 of the ``go to``
+  turns; 6-9 min each (full history was too slow to evaluate: prompts of up to 4k tokens). The greedy policy repeats an inadmissible command (``go to`` the receptacle
   it stands at instead of the next one in the room's order, a two-step lookup); 2-16% of its greedy and
   21-39% of its sampled actions are valid. Teacher-forced on 4 unseen games (recipe checkpoint), it matches
   the expert on 20/21 ``open``, 22/49 ``go to`` and 0/10 ``take`` / ``move`` / ``heat`` / ``clean`` /
