@@ -104,6 +104,28 @@ def test_sft_loss_counts_only_action_tokens(tokenizer) -> None:  # type: ignore[
     assert abs(loss.item() - sum(manual) / len(manual)) < 1e-4
 
 
+def test_model_selection_keeps_the_best_epoch(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    from streamrl.agents.models import load_model
+    from streamrl.agents.sft import train_sft
+
+    seqs = sequences_of(expert_trajectories("math_tir", tokenizer, limit=4))
+    model = load_model(resolve_model("tiny"))
+    snapshots: list[dict[str, torch.Tensor]] = []
+    scores = iter([0.25, 0.5, 0.5, 0.125])  # epoch 2 is best (epoch 3 only ties it)
+
+    def validate(m: torch.nn.Module) -> float:
+        snapshots.append({k: v.clone() for k, v in m.state_dict().items()})
+        return next(scores)
+
+    config = SFTConfig(envs=("math_tir",), epochs=4, batch_size=2, lr=5e-3)
+    train_sft(model, seqs, config, tokenizer.pad_token_id, log=lambda _: None, validate=validate)
+    final = model.state_dict()
+    assert not all(torch.equal(final[k], snapshots[3][k]) for k in final)  # the last epoch was undone
+    assert all(torch.equal(final[k], snapshots[1][k]) for k in final)
+    with pytest.raises(ValueError, match="select_best_of"):
+        SFTConfig(envs=("alfworld",), select_best_of=8)  # no task generator to hold tasks out from
+
+
 @pytest.mark.slow
 def test_sft_improves_over_untrained_model() -> None:
     # CI-sized: 16 Math-TIR expert episodes (no synthetic ones), trained long enough to clone them; success is
