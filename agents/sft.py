@@ -145,25 +145,13 @@ def _math_family_filter(env: Any) -> Callable[[str], bool]:
 def _math_synthetic_tasks(n: int, seed: int) -> list[Any]:
     """``n`` fresh procedural problems of ``MATH_SFT_FAMILIES`` (a seed of their own), none of whose questions
     is in the held-out ``test`` split: cheap extra expert data, since copying numbers is learnt from variety."""
-    from streamrl.envs.math_tasks import MathTask, procedural_tasks, sample_procedural
+    from streamrl.envs.math_tasks import procedural_records, procedural_tasks, sample_procedural
 
     if n < 0:
         raise ValueError(f"the number of synthetic tasks must be >= 0, got {n}")
     held_out = frozenset(t.question for t in procedural_tasks("test"))
     raw = sample_procedural(f"streamrl-sft-math-{seed}", n, exclude=held_out, families=MATH_SFT_FAMILIES)
-    return [
-        MathTask(
-            task_id=f"sft-synthetic/{seed}/{i:06d}",
-            question=question,
-            answer=answer,
-            solution=code,
-            solution_kind="program",
-            source="procedural",
-            split="train",
-            meta={"family": family, "difficulty": difficulty},
-        )
-        for i, (question, answer, code, family, difficulty) in enumerate(raw)
-    ]
+    return list(procedural_records(raw, f"sft-synthetic/{seed}/", "train"))
 
 
 ENV_SPECS: dict[str, EnvSpec] = {

@@ -39,6 +39,7 @@ __all__ = [
     "cot_to_program",
     "custom_tasks",
     "gsm_symbolic_tasks",
+    "procedural_records",
     "procedural_tasks",
     "solution_coverage",
     "task_set",
@@ -605,9 +606,17 @@ def procedural_tasks(split: Split = "train", size: int | None = None) -> tuple[M
     else:
         train = frozenset(q for q, *_ in sample_procedural(PROCEDURAL_TRAIN_SEED, TRAIN_SIZE))
         raw = sample_procedural(PROCEDURAL_TEST_SEED, size, exclude=train)
+    return procedural_records(raw, f"procedural/{split}/", split, digits=5)
+
+
+def procedural_records(
+    raw: Sequence[tuple[str, str, str, str, int]], id_prefix: str, split: Split, digits: int = 6
+) -> tuple[MathTask, ...]:
+    """:class:`MathTask` records of problems drawn by :func:`sample_procedural`; task ids are ``id_prefix``
+    followed by the problem's index, zero-padded to ``digits``."""
     return tuple(
         MathTask(
-            task_id=f"procedural/{split}/{i:05d}",
+            task_id=f"{id_prefix}{i:0{digits}d}",
             question=question,
             answer=answer,
             solution=code,
