@@ -174,15 +174,23 @@ class ALFWorldSearchAgent:
     5. An ``O`` is here (``take`` admissible): take the first -- except at ``D 1`` in place/two tasks, where
        ``O`` is already where it belongs.
     6. ``R`` is closed: open it.
-    7. Go to the receptacle after ``R`` in the order the room description lists them (wrapping; the first
-       one from the middle of the room).
+    7. Search on: with ``search="room_order"`` (default), go to the receptacle after ``R`` in the order the
+       room description lists them (wrapping; the first one from the middle of the room); with
+       ``search="random"``, go to a uniformly random receptacle other than ``R`` (the agent's own seeded
+       generator) -- memoryless, so a policy can imitate it without finding ``R`` in the room description.
 
     Measured on the generated splits (``streamrl.envs.alfworld_gen``), without the walkthrough: it wins all
     256 games within 100 steps (mean 26 / 25 / 20 steps on train / eval_seen / eval_unseen), and 111/128,
     61/64, 62/64 within ALFWorld's 50-step limit (kitchens with many closed cabinets take longest).
     """
 
-    def __init__(self) -> None:
+    SEARCHES = ("room_order", "random")
+
+    def __init__(self, search: str = "room_order", seed: int | None = None) -> None:
+        if search not in self.SEARCHES:
+            raise ValueError(f"search must be one of {self.SEARCHES}, got {search!r}")
+        self.search = search
+        self._rng = random.Random(seed) if search == "random" else None
         self._episodes: dict[EpisodeId, tuple[ALFWorldTask, list[str]]] = {}
 
     def act(
@@ -199,7 +207,7 @@ class ALFWorldSearchAgent:
             commands = [str(c) for c in info.get("admissible_commands") or []]
             if not commands:
                 raise ValueError(f"episode {eid!r}: info has no admissible_commands")
-            actions.append(self.decide(task, receptacles, obs, commands))
+            actions.append(self.decide(task, receptacles, obs, commands, rng=self._rng))
         return actions
 
     @staticmethod
@@ -216,9 +224,14 @@ class ALFWorldSearchAgent:
 
     @staticmethod
     def decide(
-        task: ALFWorldTask, receptacles: Sequence[str], observation: str, commands: Sequence[str]
+        task: ALFWorldTask,
+        receptacles: Sequence[str],
+        observation: str,
+        commands: Sequence[str],
+        rng: random.Random | None = None,
     ) -> str:
-        """The action for one state (rules in the class doc); ``receptacles`` in room-description order."""
+        """The action for one state (rules in the class doc); ``receptacles`` in room-description order.
+        Search steps follow that order, or go to a random other receptacle when ``rng`` is given."""
         admissible = set(commands)
         known = set(receptacles)
         examined = [c[len("examine ") :] for c in commands if c.startswith("examine ")]
@@ -227,6 +240,8 @@ class ALFWorldSearchAgent:
         obs = observation.strip()
 
         def go_next() -> str:
+            if rng is not None:
+                return f"go to {rng.choice([r for r in receptacles if r != here] or list(receptacles))}"
             i = receptacles.index(here) + 1 if here in known else 0
             return f"go to {receptacles[i % len(receptacles)]}"
 

@@ -67,6 +67,11 @@ class ALFWorldPrompt:
     list_go_to: bool = True
     """With ``list_admissible``, also list the ``go to ...`` commands; ``False`` leaves them out (the room
     description of the first observation names every receptacle already), ~200 tokens less per turn."""
+    one_command_per_line: bool = False
+    """List the admissible commands one per line instead of comma-separated. A command at the start of a line
+    is tokenized exactly as the action the model writes (``take`` at the start of a reply is not the `` take``
+    of a comma-separated list in byte-level BPE), so a small model can copy a listed command token by token
+    (an induction head: find the token just written earlier in the context, copy what followed)."""
 
     def system_prompt(self, first_observation: str, info: Mapping[str, Any]) -> str:
         match = _TASK_RE.search(first_observation)
@@ -82,7 +87,10 @@ class ALFWorldPrompt:
         if not self.list_go_to:
             commands = [c for c in commands if not str(c).startswith("go to ")]
         if self.list_admissible and commands:
-            text += "\nAdmissible commands: " + ", ".join(str(c) for c in commands)
+            if self.one_command_per_line:
+                text += "\nAdmissible commands:\n" + "\n".join(str(c) for c in commands)
+            else:
+                text += "\nAdmissible commands: " + ", ".join(str(c) for c in commands)
         return text
 
     def parse_action(self, text: str, info: Mapping[str, Any]) -> ParsedAction:

@@ -14,7 +14,10 @@ starts from its own checkpoint; trained together, the two envs' data left Math-T
    procedural families ``MATH_SFT_FAMILIES`` (training and evaluation alike), and its data is mostly
    *synthetic*: thousands of freshly generated problems of those families (none in the test split), because
    copying numbers (question -> program, tool output -> ``\\boxed{}``) is learnt from variety, not from more
-   epochs over a few hundred tasks.
+   epochs over a few hundred tasks. ALFWorld's extra data are more generated games of the training floor plans
+   (``train`` games 128-1151; RL trains on the first 128), its admissible commands are listed one per line
+   (a listed command is then the same token string as the reply that issues it), and most of its frequent,
+   easy search turns are downsampled to context.
 2. **Training.** Token-level cross-entropy on action tokens only (mask 1; prompt, observation and tool output
    are context), averaged over all action tokens of a batch; AdamW with linear warm-up and cosine decay,
    full fine-tuning by default (``lora`` to train an adapter instead). A recipe may start from another env's
@@ -23,7 +26,7 @@ starts from its own checkpoint; trained together, the two envs' data left Math-T
    locked), so tests and examples reuse it. ``evaluate`` measures the success rate of an ``LLMAgent`` on a
    split.
 
-Measured on ``tiny`` (2.08M parameters), 1 torch thread on the shared 2-core machine, 2026-11-29 (success
+Measured on ``tiny`` (2.08M parameters), 1 torch thread on the shared 2-core machine, 2026-11-29/30 (success
 rate greedy / sampled at temperature 1; Math-TIR on the first 64 family tasks of ``train`` and all 50 of
 ``test``; ALFWorld on the first 32 games of each split, 50-step limit):
 
@@ -35,15 +38,29 @@ rate greedy / sampled at temperature 1; Math-TIR on the first 64 family tasks of
   freshly generated problems (``select_best_of=64``; 13 min with three runs on the 2 cores): test 6% / 8% / 12% greedy for seeds 0 / 1 / 2
   (validation picked epochs 5 / 2 / 4; seeds 0 and 1 never passed 5% validation in any epoch), so the recipe
   keeps 3 epochs and selection stays an option.
-- **ALFWorld** (recipe: 128 expert episodes, 2 epochs from the Math-TIR checkpoint, ~6 min): 0% on all three
-  splits, greedy and sampled; 0% in every other variant tried too (greedy; sampled on train): from
-  scratch, window of 0 or 1 past turns, 1-2 epochs, with DART noise (0.15-0.2), with 1/4 of the ``go to``
-  turns; 6-9 min each (full history was too slow to evaluate: prompts of up to 4k tokens). The greedy policy repeats an inadmissible command (``go to`` the receptacle
-  it stands at instead of the next one in the room's order, a two-step lookup); 2-16% of its greedy and
-  21-39% of its sampled actions are valid. Teacher-forced on 4 unseen games (recipe checkpoint), it matches
-  the expert on 20/21 ``open``, 22/49 ``go to`` and 0/10 ``take`` / ``move`` / ``heat`` / ``clean`` /
-  ``use`` turns: the searching expert is imitable in principle (it wins all 128 training games), but a few
-  CPU minutes do not teach a 2M-parameter model to pick the target among the admissible commands.
+- **ALFWorld** (recipe: 1,151 won expert episodes of 1,152 games, 1 in 10 ``go to`` and 3 in 10 ``open``
+  turns trained on, 1 epoch from the Math-TIR checkpoint; 7,462 sequences, 2.39M tokens, 54.6k action
+  tokens; ~4 min of expert play and ~6.5 min of training): greedy 0% on train / eval_seen / eval_unseen
+  (6.9 / 4.6 / 4.3% of its actions valid: it loops on an inadmissible ``go to``); sampled at temperature 1,
+  0% / 6% (2 of 32) / 0% (19 / 17 / 20% valid).
+  Per-turn imitation, teacher-forced on 12 ``eval_seen`` games (``go to`` / ``open`` / ``take`` / ``move``
+  turns matched): the 2026-11-29 recipe (128 games, comma-separated list, 2 epochs) 22/49 / 20/21 / 0/10 /
+  0/10 on unseen games; 1,152 games with the comma list 66/195 / 106/108 / 1/14 / 1/12 (the object of
+  ``take`` / ``move`` is the most frequent one, "take egg 1", not the task's); one command per line
+  68/195 / 107/108 / 2/14 / 11/12 (copying a listed ``move`` works; picking the right one of several listed
+  ``take`` commands does not). Also measured and not kept (teacher-forced, same games): 2 epochs (87/195,
+  107/108, 1/14, 4/12); a memoryless random search expert (``ALFWorldSearchAgent(search="random")``, which
+  wins 59/64 training games within 50 steps: 0/13 ``take``, 0/11 ``move``); a consistent random renaming of
+  the object names in half or all of the episodes (to stop predicting the frequent object: 2/14 ``take``
+  at best); an induction-head warm-up (300 steps of random token strings shown twice, repeat loss 0.02)
+  before the data, from the bare model (8/195 ``go to``, 7/108 ``open``) or from the Math-TIR checkpoint with
+  renaming (0/12 ``move``) -- on Math-TIR seeds 1 and 2 it left test success at 2%; the random search with
+  the ``go to`` commands listed too (640 games; no turn type above 10/238). Earlier variants
+  (2026-11-29, 128 games): from scratch, window of 0 or 1 past turns, 1-2 epochs, DART noise 0.15-0.2,
+  1/4 of the ``go to`` turns: 0% success each. The expert is imitable in principle (it wins every training
+  game), but a few CPU minutes do not teach a 2M-parameter model to pick the task's object among the
+  admissible commands, and sampled at temperature 1 its first slip (an unlisted ``take``) derails the
+  episode.
 
 Command line (one checkpoint per env with its recipe, then greedy and sampled success rates as JSON)::
 
@@ -74,7 +91,7 @@ from streamrl.agents.prompts import ALFWorldPrompt, MathTIRPrompt, PromptFormat
 from streamrl.agents.rollout import play_episode
 from streamrl.agents.trajectory import TokenSequence, Trajectory, finalize
 
-_RECIPE = 3  # bump when the data rendering or training loop changes
+_RECIPE = 4  # bump when the data rendering or training loop changes
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -96,8 +113,12 @@ class EnvSpec:
     env_kwargs: Mapping[str, Any] = field(default_factory=dict)
     task_filter: Callable[[Any], Callable[[str], bool]] | None = None
     """Given an env instance, a predicate on task ids: the tasks SFT trains on and ``evaluate`` plays."""
-    synthetic_tasks: Callable[[int, int], list[Any]] | None = None
-    """``(n, seed) -> n`` extra generated training tasks (passed to the env as ``tasks=``), or ``None``."""
+    synthetic_tasks: Callable[[int, int], dict[str, Any]] | None = None
+    """``(n, seed) ->`` env kwargs (over ``env_kwargs``) of an env whose tasks are ``n`` extra generated training
+    tasks, none of them in an eval split; ``None`` if the env has no generator."""
+    held_out_tasks: Callable[[int, int], dict[str, Any]] | None = None
+    """Like ``synthetic_tasks`` but for model selection (``SFTConfig.select_best_of``): ``(n, seed) ->`` env kwargs
+    of ``n`` generated tasks drawn apart from the training ones of any seed; ``None``: no selection possible."""
     random_action: Callable[[Mapping[str, Any], random.Random], str] | None = None
     """``(info, rng) -> action``: a random action for DART-style noise in expert episodes, or ``None`` (no
     noise possible)."""
@@ -123,6 +144,20 @@ def _alfworld_random_action(info: Mapping[str, Any], rng: random.Random) -> str:
     return command
 
 
+def _alfworld_extra_games(n: int, seed: int) -> dict[str, Any]:
+    """Games ``128 .. 128 + n - 1`` of the generated ``train`` split: more rooms and goals of ALFRED's training
+    floor plans, beyond the 128 games RL trains on (the SPO++ paper's training-set size); none is an eval game.
+    A generated game depends only on its index, so every seed gets the same games (the seed still shuffles the
+    training order). Generated on first use (~0.5 CPU-second a game, cached with the split)."""
+    from streamrl.envs.alfworld_gen import GenerationConfig, ensure_split
+
+    if n < 0:
+        raise ValueError(f"the number of extra ALFWorld games must be >= 0, got {n}")
+    first = GenerationConfig().train
+    paths = ensure_split("train", GenerationConfig(train=first + n))
+    return {"game_files": [str(p) for p in paths[first:]]}
+
+
 def _math_expert(env: Any) -> Agent:
     from streamrl.agents.math_solver import MathSolverAgent
 
@@ -142,7 +177,7 @@ def _math_family_filter(env: Any) -> Callable[[str], bool]:
     return lambda task_id: family.get(task_id) in MATH_SFT_FAMILIES
 
 
-def _math_synthetic_tasks(n: int, seed: int) -> list[Any]:
+def _math_synthetic_tasks(n: int, seed: int) -> dict[str, Any]:
     """``n`` fresh procedural problems of ``MATH_SFT_FAMILIES`` (a seed of their own), none of whose questions
     is in the held-out ``test`` split: cheap extra expert data, since copying numbers is learnt from variety."""
     from streamrl.envs.math_tasks import procedural_records, procedural_tasks, sample_procedural
@@ -151,7 +186,12 @@ def _math_synthetic_tasks(n: int, seed: int) -> list[Any]:
         raise ValueError(f"the number of synthetic tasks must be >= 0, got {n}")
     held_out = frozenset(t.question for t in procedural_tasks("test"))
     raw = sample_procedural(f"streamrl-sft-math-{seed}", n, exclude=held_out, families=MATH_SFT_FAMILIES)
-    return list(procedural_records(raw, f"sft-synthetic/{seed}/", "train"))
+    return {"tasks": list(procedural_records(raw, f"sft-synthetic/{seed}/", "train"))}
+
+
+def _math_held_out_tasks(n: int, seed: int) -> dict[str, Any]:
+    """Validation problems: a draw with seed ``-1 - seed``, apart from the training draws of every seed >= 0."""
+    return _math_synthetic_tasks(n, -1 - seed)
 
 
 ENV_SPECS: dict[str, EnvSpec] = {
@@ -162,10 +202,11 @@ ENV_SPECS: dict[str, EnvSpec] = {
         # The expert (ALFWorldSearchAgent) decides from the task, the room description (both in the first
         # observation, which a window always keeps), the current observation and the admissible commands, so
         # the policy sees exactly that: a window of one past turn, and the admissible commands without the
-        # ~25 "go to" ones (the room description names every receptacle), ~310 tokens a turn. Measured with
+        # ~25 "go to" ones (the room description names every receptacle), one per line so that a listed
+        # command is the same token string as the reply that issues it (~320 tokens a turn). Measured with
         # the omniscient walkthrough expert instead (its moves cannot be inferred from the observations):
         # 0% success in every variant (full history or window, with or without the list, 6-20 epochs).
-        prompt=lambda: ALFWorldPrompt(list_admissible=True, list_go_to=False),
+        prompt=lambda: ALFWorldPrompt(list_admissible=True, list_go_to=False, one_command_per_line=True),
         context=ContextPolicy(mode="window", window_turns=1, max_context_tokens=1024),
         max_new_tokens=24,
         expert=_alfworld_expert,
@@ -174,6 +215,7 @@ ENV_SPECS: dict[str, EnvSpec] = {
         # Searching takes long in kitchens with many closed cabinets: the expert wins 111/128 training games
         # within 50 steps, all 128 within 100 (tests/test_alfworld_agents.py).
         expert_env_kwargs={"max_steps": 100},
+        synthetic_tasks=_alfworld_extra_games,
     ),
     "math_tir": EnvSpec(
         gym_id="streamrl/MathTIR-v0",
@@ -188,6 +230,7 @@ ENV_SPECS: dict[str, EnvSpec] = {
         env_kwargs={"source": "procedural", "max_tool_calls": 2, "max_turns": 4},
         task_filter=_math_family_filter,
         synthetic_tasks=_math_synthetic_tasks,
+        held_out_tasks=_math_held_out_tasks,
     ),
 }
 
@@ -357,9 +400,9 @@ def expert_trajectories(
     if synthetic:
         if spec.synthetic_tasks is None:
             raise ValueError(f"env {env_name!r} has no task generator; synthetic must be 0, got {synthetic}")
-        tasks = spec.synthetic_tasks(synthetic, seed)
-        synth_env = make_env(env_name, spec.train_split, tasks=tasks, **dict(spec.expert_env_kwargs))
-        sources.append((synth_env, [t.task_id for t in tasks], 0.0, seed))
+        extra = {**spec.synthetic_tasks(synthetic, seed), **dict(spec.expert_env_kwargs)}
+        synth_env = make_env(env_name, spec.train_split, **extra)
+        sources.append((synth_env, task_ids_of(synth_env, env_name), 0.0, seed))
     out: list[Trajectory] = []
     try:
         for source_env, source_ids, source_noise, source_seed in sources:
@@ -402,8 +445,9 @@ class SFTConfig:
     max_expert_episodes: int = 0
     """Per env, the first tasks of the training split (ALFWorld has 128, Math-TIR 271 in
     ``MATH_SFT_FAMILIES``); 0 = all."""
-    synthetic_episodes: int = 3000
-    """Per env with a task generator (Math-TIR), extra expert episodes on freshly generated training tasks."""
+    synthetic_episodes: int = 0
+    """Per env with a task generator (``EnvSpec.synthetic_tasks``), extra expert episodes on generated training
+    tasks: fresh Math-TIR problems, or ALFWorld games after the 128 of the training split."""
     expert_replays: int = 1
     """Times each training task is played: once by the expert alone, then with DART noise (below)."""
     expert_noise: float = 0.0
@@ -451,10 +495,10 @@ class SFTConfig:
             )
         if self.select_best_of < 0:
             raise ValueError(f"select_best_of must be >= 0, got {self.select_best_of}")
-        if self.select_best_of and any(env_spec(n).synthetic_tasks is None for n in self.envs):
+        no_held_out = [n for n in self.envs if env_spec(n).held_out_tasks is None]
+        if self.select_best_of and no_held_out:
             raise ValueError(
-                f"select_best_of needs held-out generated tasks; {[n for n in self.envs if env_spec(n).synthetic_tasks is None]} "
-                "have no task generator (use select_best_of=0)"
+                f"select_best_of needs held-out generated tasks; {no_held_out} have none (use select_best_of=0)"
             )
         if self.epochs < 1 or self.batch_size < 1:
             raise ValueError(f"epochs and batch_size must be >= 1, got {self.epochs}, {self.batch_size}")
@@ -595,9 +639,16 @@ def train_sft(
 
 
 SFT_RECIPES: dict[str, dict[str, Any]] = {
-    # Of the variants measured (module doc), the one that imitates the expert best turn by turn; DART noise and
-    # downsampling of "go to" turns (both supported) made the per-turn accuracy worse.
-    "alfworld": {"init_from": "math_tir", "epochs": 2, "lr": 5e-3},
+    # Of the variants measured (module doc), the one that imitates the expert best turn by turn: 1,152 games
+    # (the 128 RL trains on and 1,024 more of the same floor plans), 1 epoch, with most of the easy, frequent
+    # search turns ("go to": 1 in 10 kept, "open": 3 in 10) left as context only.
+    "alfworld": {
+        "init_from": "math_tir",
+        "synthetic_episodes": 1024,
+        "downsample": (("go to ", 0.1), ("open ", 0.3)),
+        "epochs": 1,
+        "lr": 5e-3,
+    },
     "math_tir": {"synthetic_episodes": 3000, "epochs": 3, "lr": 5e-3},
 }
 """Per env, the ``SFTConfig`` fields of its measured recipe (rates and times in the module doc)."""
@@ -625,12 +676,13 @@ def sft_checkpoint(config: SFTConfig | str, log: Callable[[str], None] = print) 
         start = config.start()  # the checkpoint to start from is built (or found) first, under its own lock
         start_dir = None if start is None else sft_checkpoint(start, log)
         tokenizer = load_tokenizer(base)
-        data: list[Trajectory] = []
+        sequences: list[TokenSequence] = []
         stats: dict[str, Any] = {}
         for name in config.envs:
             started = time.perf_counter()
-            synthetic = config.synthetic_episodes if env_spec(name).synthetic_tasks is not None else 0
-            noisy = env_spec(name).random_action is not None
+            spec = env_spec(name)
+            synthetic = config.synthetic_episodes if spec.synthetic_tasks is not None else 0
+            noisy = spec.random_action is not None
             trajs = expert_trajectories(
                 name,
                 tokenizer,
@@ -650,16 +702,16 @@ def sft_checkpoint(config: SFTConfig | str, log: Callable[[str], None] = print) 
                 "collect_s": round(time.perf_counter() - started, 1),
             }
             log(f"expert data {name}: {stats[name]}")
-            data.extend(trajs)
+            sequences.extend(seqs)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
             model = load_model(base if start_dir is None else start_dir)
+            started = time.perf_counter()
             if config.lora is not None:
                 model = wrap_lora(model, config.lora)
-            started = time.perf_counter()
             validation: list[float] = []
             validate = _validator(config, tokenizer, validation) if config.select_best_of else None
-            losses = train_sft(model, sequences_of(data), config, int(tokenizer.pad_token_id), log, validate)
+            losses = train_sft(model, sequences, config, int(tokenizer.pad_token_id), log, validate)
         if config.lora is not None:
             model = model.merge_and_unload()
         model.save_pretrained(out)
@@ -680,22 +732,22 @@ def sft_checkpoint(config: SFTConfig | str, log: Callable[[str], None] = print) 
 
 
 def _validator(config: SFTConfig, tokenizer: Any, scores: list[float]) -> Callable[[Any], float]:
-    """``model -> mean greedy success`` on ``config.select_best_of`` generated tasks per env, drawn with seed
-    ``-1 - config.seed`` (a different draw from the training tasks of any seed >= 0); appends to ``scores``."""
+    """``model -> mean greedy success`` on ``config.select_best_of`` held-out generated tasks per env
+    (``EnvSpec.held_out_tasks``); appends to ``scores``."""
     held_out = {}
     for name in config.envs:
-        generate = env_spec(name).synthetic_tasks
+        generate = env_spec(name).held_out_tasks
         assert generate is not None  # SFTConfig checks it
-        held_out[name] = generate(config.select_best_of, -1 - config.seed)
+        held_out[name] = generate(config.select_best_of, config.seed)
 
     def validate(model: Any) -> float:
         backend = HFBackend(model, tokenizer=tokenizer)  # the model as it is, on its own device
         rates = []
-        for name, tasks in held_out.items():
+        for name, env_kwargs in held_out.items():
             spec = env_spec(name)
             greedy = SamplingParams(max_new_tokens=spec.max_new_tokens, temperature=0.0)
             result = evaluate(
-                backend, name, spec.train_split, len(tasks), greedy, env_kwargs={"tasks": tasks}
+                backend, name, spec.train_split, config.select_best_of, greedy, env_kwargs=env_kwargs
             )
             rates.append(result["success_rate"])
         scores.append(sum(rates) / len(rates))

@@ -176,6 +176,25 @@ def test_parsers() -> None:
     assert not math.parse_action("I think it is 4", {}).valid
 
 
+def test_alfworld_commands_one_per_line_tokenize_like_replies(tiny: HFBackend) -> None:
+    # Listed one per line, each command is the same token string as the reply that issues it (comma-separated,
+    # the first word of every command but the first gets a leading-space token instead).
+    commands = ["examine pan 1", "move pan 1 to cabinet 7", "take apple 2 from cabinet 7"]
+    info = {"admissible_commands": ["go to fridge 1", *commands]}
+    text = ALFWorldPrompt(list_go_to=False, one_command_per_line=True).user_message("You arrive.", info, 1)
+    assert text == "You arrive.\nAdmissible commands:\n" + "\n".join(commands)
+    tok = tiny.tokenizer
+    listed = tok.encode(text, add_special_tokens=False)
+    for command in commands:
+        reply = tok.encode(command, add_special_tokens=False)
+        assert any(listed[i : i + len(reply)] == reply for i in range(len(listed))), command
+    flat = tok.encode(
+        ALFWorldPrompt(list_go_to=False).user_message("You arrive.", info, 1), add_special_tokens=False
+    )
+    reply = tok.encode(commands[1], add_special_tokens=False)
+    assert not any(flat[i : i + len(reply)] == reply for i in range(len(flat)))
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.text(max_size=200), st.lists(st.text(max_size=20), max_size=5))
 def test_parsers_never_raise(text: str, commands: list[str]) -> None:

@@ -123,7 +123,7 @@ def test_model_selection_keeps_the_best_epoch(tokenizer) -> None:  # type: ignor
     assert not all(torch.equal(final[k], snapshots[3][k]) for k in final)  # the last epoch was undone
     assert all(torch.equal(final[k], snapshots[1][k]) for k in final)
     with pytest.raises(ValueError, match="select_best_of"):
-        SFTConfig(envs=("alfworld",), select_best_of=8)  # no task generator to hold tasks out from
+        SFTConfig(envs=("alfworld",), select_best_of=8)  # ALFWorld has no held-out generated tasks
 
 
 @pytest.mark.slow
@@ -143,3 +143,14 @@ def test_sft_improves_over_untrained_model() -> None:
     assert untrained["success_rate"] == 0.0
     assert trained["valid_action_rate"] > untrained["valid_action_rate"] + 0.3
     assert trained["success_rate"] >= 0.25, trained
+
+
+def test_alfworld_extra_games_extend_the_training_split(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # ALFWorld's "synthetic" episodes are the generated train split's games after its first 128 (never an eval
+    # game): the expert wins them and the data carries their ids.
+    trajs = expert_trajectories("alfworld", tokenizer, limit=0, synthetic=2)
+    ids = [t.task_id for t in trajs]
+    assert len(ids) == 2 and all(t.won for t in trajs), ids
+    assert [i.split("/")[2][:4] for i in ids] == ["0128", "0129"]
+    with pytest.raises(ValueError, match=">= 0"):
+        sft_module.ENV_SPECS["alfworld"].synthetic_tasks(-1, 0)  # type: ignore[misc]
