@@ -42,7 +42,8 @@ rate greedy / sampled at temperature 1; Math-TIR on the first 64 family tasks of
   turns trained on, 1 epoch from the Math-TIR checkpoint; 7,462 sequences, 2.39M tokens, 54.6k action
   tokens; ~4 min of expert play and ~6.5 min of training): greedy 0% on train / eval_seen / eval_unseen
   (6.9 / 4.6 / 4.3% of its actions valid: it loops on an inadmissible ``go to``); sampled at temperature 1,
-  0% / 6% (2 of 32) / 0% (19 / 17 / 20% valid).
+  0% / 6% (2 of 32) / 0% (19 / 17 / 20% valid) -- and 0% on 64 games of each split with other draws (18-19%
+  valid): 2 wins in 288 sampled episodes.
   Per-turn imitation, teacher-forced on 12 ``eval_seen`` games (``go to`` / ``open`` / ``take`` / ``move``
   turns matched): the 2026-11-29 recipe (128 games, comma-separated list, 2 epochs) 22/49 / 20/21 / 0/10 /
   0/10 on unseen games; 1,152 games with the comma list 66/195 / 106/108 / 1/14 / 1/12 (the object of
