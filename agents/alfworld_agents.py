@@ -181,7 +181,8 @@ class ALFWorldSearchAgent:
 
     Measured on the generated splits (``streamrl.envs.alfworld_gen``), without the walkthrough: it wins all
     256 games within 100 steps (mean 26 / 25 / 20 steps on train / eval_seen / eval_unseen), and 111/128,
-    61/64, 62/64 within ALFWorld's 50-step limit (kitchens with many closed cabinets take longest).
+    61/64, 62/64 within ALFWorld's 50-step limit (kitchens with many closed cabinets take longest). The random
+    search wins 59 of the first 64 training games within 50 steps (22.7 steps an episode on average).
     """
 
     SEARCHES = ("room_order", "random")
