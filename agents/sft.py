@@ -469,9 +469,9 @@ class SFTConfig:
     """``None`` = full fine-tuning; otherwise train (and save) a LoRA adapter merged into the checkpoint."""
     seed: int = 0
     select_best_of: int = 0
-    """Model selection: after every epoch, play this many freshly *generated* tasks greedily (envs with a task
-    generator; drawn with a seed of their own, so they may repeat a training problem by chance but never a test
-    one) and keep the weights of the best epoch; 0 keeps the last epoch. On ``tiny`` the epoch at which copying
+    """Model selection: after every epoch, play this many freshly *generated* tasks greedily (envs with
+    ``EnvSpec.held_out_tasks``, i.e. Math-TIR; drawn with a seed of their own, so they may repeat a training
+    problem by chance but never a test one) and keep the weights of the best epoch; 0 keeps the last epoch. On ``tiny`` the epoch at which copying
     numbers clicks, and whether later epochs undo it, varies with the seed."""
     init_from: str | None = None
     """An env name: start from that env's SFT checkpoint (``sft_config(init_from, model=model)``, its recipe
