@@ -457,6 +457,12 @@ class SFTConfig:
     """``(action prefix, keep probability)`` pairs: an expert turn whose action starts with the prefix is a
     training target with that probability, otherwise context only (``sequences_of``); e.g.
     ``(("go to ", 0.25),)`` keeps a quarter of ALFWorld's search steps (~60% of its turns)."""
+    context_weight: float = 0.0
+    """Weight of a language-modelling loss on the context tokens (prompt, observations, tool output), added to
+    the action tokens' loss as ``action NLL + context_weight * context NLL`` (each a mean over its tokens).
+    The context is ~40 times more tokens than the actions and full of copies (ALFWorld's admissible commands
+    repeat the objects of the observation, Math-TIR's code the numbers of the question), so it trains the
+    copying a small model needs at no extra forward cost; 0 trains on the actions alone."""
     epochs: int = 3
     batch_size: int = 4
     """Sequences per step (small batches: more updates per token, which is what a few minutes buy)."""
@@ -503,6 +509,8 @@ class SFTConfig:
             )
         if self.epochs < 1 or self.batch_size < 1:
             raise ValueError(f"epochs and batch_size must be >= 1, got {self.epochs}, {self.batch_size}")
+        if not self.context_weight >= 0.0:
+            raise ValueError(f"context_weight must be >= 0, got {self.context_weight}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
 
@@ -565,10 +573,14 @@ def sequences_of(trajectories: Sequence[Trajectory]) -> list[TokenSequence]:
     return out
 
 
-def sft_loss(model: Any, batch: Sequence[TokenSequence], pad_token_id: int) -> tuple[torch.Tensor, int]:
-    """Mean negative log-likelihood of the action tokens of ``batch`` (right-padded); returns (loss, tokens).
+def sft_loss(
+    model: Any, batch: Sequence[TokenSequence], pad_token_id: int, context_weight: float = 0.0
+) -> tuple[torch.Tensor, int]:
+    """Mean negative log-likelihood of the action tokens of ``batch`` (right-padded), plus ``context_weight``
+    times the mean NLL of its other tokens (``SFTConfig.context_weight``); returns (loss, action tokens).
 
-    Logits are computed only where the next token is an action token (``selected_token_logprobs``).
+    Logits are computed only where they are needed (``selected_token_logprobs``): at the positions whose next
+    token is an action token, or at every position when ``context_weight`` is non-zero.
     """
     width = max(len(s) for s in batch)
     ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
@@ -579,8 +591,15 @@ def sft_loss(model: Any, batch: Sequence[TokenSequence], pad_token_id: int) -> t
         attn[row, : len(seq)] = 1
         target[row, : len(seq)] = torch.as_tensor(seq.action_mask, dtype=torch.bool)
     device = next(model.parameters()).device
-    lp = selected_token_logprobs(model, ids.to(device), attn.to(device), target[:, 1:].to(device))
-    return -lp.mean(), int(lp.numel())
+    select = attn[:, 1:].bool() if context_weight else target[:, 1:]
+    lp = selected_token_logprobs(model, ids.to(device), attn.to(device), select.to(device))
+    if not context_weight:
+        return -lp.mean(), int(lp.numel())
+    is_action = target[:, 1:][select].to(device)
+    loss = -lp[is_action].mean()
+    if not bool(is_action.all()):
+        loss = loss - context_weight * lp[~is_action].mean()
+    return loss, int(is_action.sum())
 
 
 def train_sft(
@@ -617,7 +636,7 @@ def train_sft(
     for epoch in range(config.epochs):
         rng.shuffle(chunks)
         for chunk in chunks:
-            loss, _ = sft_loss(model, [sequences[i] for i in chunk], pad_token_id)
+            loss, _ = sft_loss(model, [sequences[i] for i in chunk], pad_token_id, config.context_weight)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
@@ -840,6 +859,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("--synthetic-episodes", int),
         ("--expert-replays", int),
         ("--expert-noise", float),
+        ("--context-weight", float),
         ("--seed", int),
         ("--select-best-of", int),
     ):
@@ -863,7 +883,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = ("epochs", "lr", "batch_size", "max_expert_episodes", "synthetic_episodes", "expert_replays")
     overrides: dict[str, Any] = {
         k: getattr(args, k)
-        for k in (*names, "expert_noise", "seed", "select_best_of")
+        for k in (*names, "expert_noise", "context_weight", "seed", "select_best_of")
         if getattr(args, k) is not None
     }
     overrides["model"] = args.model

@@ -97,11 +97,16 @@ def test_sft_loss_counts_only_action_tokens(tokenizer) -> None:  # type: ignore[
     model = load_model(resolve_model("tiny"))
     loss, n = sft_loss(model, seqs, tokenizer.pad_token_id)
     assert n == sum(s.num_action_tokens for s in seqs)
-    manual = []
+    manual, context = [], []
     for s in seqs:  # one sequence at a time, no padding, full logits
         lp = token_logprobs(model, torch.tensor([s.token_ids]), torch.ones(1, len(s), dtype=torch.long))[0]
         manual += [-lp[i - 1].item() for i, m in enumerate(s.action_mask) if m]
+        context += [-lp[i - 1].item() for i, m in enumerate(s.action_mask) if i and not m]
     assert abs(loss.item() - sum(manual) / len(manual)) < 1e-4
+    # With a context weight, every other real token (not the padding) is a language-modelling target too.
+    loss, n = sft_loss(model, seqs, tokenizer.pad_token_id, context_weight=0.25)
+    assert n == len(manual) and len({len(s) for s in seqs}) > 1  # the batch really is padded
+    assert abs(loss.item() - (sum(manual) / len(manual) + 0.25 * sum(context) / len(context))) < 1e-4
 
 
 def test_model_selection_keeps_the_best_epoch(tokenizer) -> None:  # type: ignore[no-untyped-def]
