@@ -472,9 +472,10 @@ class SFTConfig:
     context_weight: float = 0.0
     """Weight of a language-modelling loss on the context tokens (prompt, observations, tool output), added to
     the action tokens' loss as ``action NLL + context_weight * context NLL`` (each a mean over its tokens).
-    The context is ~40 times more tokens than the actions and full of copies (ALFWorld's admissible commands
-    repeat the objects of the observation, Math-TIR's code the numbers of the question), so it trains the
-    copying a small model needs at no extra forward cost; 0 trains on the actions alone."""
+    The context is most of the tokens (44 times the actions on ALFWorld, 3 times on Math-TIR) and full of
+    copies (ALFWorld's admissible commands repeat the objects of the observation, Math-TIR's code the numbers
+    of the question), so it trains the copying a small model needs at no extra forward cost; 0 trains on the
+    actions alone."""
     epochs: int = 3
     batch_size: int = 4
     """Sequences per step (small batches: more updates per token, which is what a few minutes buy)."""
