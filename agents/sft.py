@@ -43,19 +43,19 @@ rate greedy / sampled at temperature 1; ALFWorld on the first 32 games of each s
   best of 5 epochs by greedy success on 64 freshly generated problems (``select_best_of=64``): test 6% / 8% /
   12% greedy for seeds 0 / 1 / 2 (validation picked epochs 5 / 2 / 4), so selection stays an option.
 - **ALFWorld** (recipe: 1,151 won expert episodes of 1,152 games, 1 in 10 ``go to`` and 3 in 10 ``open``
-  turns trained on, ``context_weight`` 0.3, 1 epoch from the Math-TIR checkpoint; 7,462 sequences, 2.39M
-  tokens, 54.6k action tokens; ~3.5 min of expert play and ~9 min of training): greedy 0% on train /
-  eval_seen / eval_unseen (10 / 10 / 6% of its actions valid: after its first inadmissible ``go to`` it
-  repeats it); sampled at temperature 1, 0% / 6% / 6% (2 of 32 each; 23 / 26 / 25% valid) and, on 64 games
-  of each split with other draws, 3% / 5% / 6% (2, 3 and 4 of 64): 13 wins in 288 sampled episodes (4.5%),
-  where the random agent (``ALFWorldRandomAgent``) wins none of the same 192 games and the same recipe
-  without the context loss won 2 of 288. Teacher-forced on 12 ``eval_seen`` games it matches 93/195
-  ``go to``, 107/108 ``open``, 8/14 ``take`` and 11/12 ``move`` turns (without the context loss 68/195,
-  107/108, 2/14, 11/12): the context loss taught it to pick the task's object among the listed ``take``
-  commands. Also measured with the context loss and not kept: DART noise (576 games played twice, 15% random
+  turns trained on, ``context_weight`` 0.3, 2 epochs from the Math-TIR checkpoint; 7,462 sequences, 2.39M
+  tokens, 54.6k action tokens; ~3.5 min of expert play and ~19 min of training): greedy 3% / 6% / 0% on
+  train / eval_seen / eval_unseen (12 / 18 / 11% of its actions valid: after an inadmissible ``go to`` it
+  often repeats it to the step limit); sampled at temperature 1, 6% / 9% / 9% (2, 3, 3 of 32; 33 / 39 / 34%
+  valid) and, on 64 games of each split with other draws, 5% / 11% / 6% (3, 7, 4 of 64): 22 wins in 288
+  sampled episodes (7.6%), where the random agent (``ALFWorldRandomAgent``) wins none of the same 192 games.
+  With 1 epoch (~9 min): greedy 0% everywhere, sampled 13 wins in 288 (4.5%); with 1 epoch and no context
+  loss (the recipe until 2026-11-30): 2 in 288; 1 epoch with weight 1.0: greedy 0%, sampled 5 of 96.
+  Teacher-forced on 12 ``eval_seen`` games the 1-epoch checkpoint matches 93/195 ``go to``, 107/108
+  ``open``, 8/14 ``take`` and 11/12 ``move`` turns (without the context loss 68/195, 107/108, 2/14, 11/12):
+  the context loss taught it to pick the task's object among the listed ``take`` commands. Also measured with the context loss and not kept: DART noise (576 games played twice, 15% random
   actions): 0% everywhere, 3% valid greedy; the ``go to`` commands listed as well (4.7M tokens, 23 min):
-  5/195 ``go to``, 0/14 ``take``; weight 1.0 instead of 0.3 (from the earlier Math-TIR checkpoint): 82/195,
-  107/108, 9/14, 11/12, sampled 0-6%.
+  5/195 ``go to``, 0/14 ``take``.
   Without the context loss, per-turn imitation on the same 12 games (``go to`` / ``open`` / ``take`` /
   ``move`` turns matched): the 2026-11-29 recipe (128 games, comma-separated list, 2 epochs) 22/49 / 20/21 / 0/10 /
   0/10 on unseen games; 1,152 games with the comma list 66/195 / 106/108 / 1/14 / 1/12 (the object of
@@ -673,14 +673,14 @@ def train_sft(
 
 SFT_RECIPES: dict[str, dict[str, Any]] = {
     # Of the variants measured (module doc), the one that imitates the expert best turn by turn and wins most
-    # sampled episodes: 1,152 games (the 128 RL trains on and 1,024 more of the same floor plans), 1 epoch,
+    # sampled episodes: 1,152 games (the 128 RL trains on and 1,024 more of the same floor plans), 2 epochs,
     # most of the easy, frequent search turns ("go to": 1 in 10 kept, "open": 3 in 10) left as context only,
     # and the context loss (the observations and admissible commands teach copying object names).
     "alfworld": {
         "init_from": "math_tir",
         "synthetic_episodes": 1024,
         "downsample": (("go to ", 0.1), ("open ", 0.3)),
-        "epochs": 1,
+        "epochs": 2,
         "lr": 5e-3,
         "context_weight": 0.3,
     },
