@@ -490,8 +490,9 @@ class SFTConfig:
     select_best_of: int = 0
     """Model selection: after every epoch, play this many freshly *generated* tasks greedily (envs with
     ``EnvSpec.held_out_tasks``, i.e. Math-TIR; drawn with a seed of their own, so they may repeat a training
-    problem by chance but never a test one) and keep the weights of the best epoch; 0 keeps the last epoch. On ``tiny`` the epoch at which copying
-    numbers clicks, and whether later epochs undo it, varies with the seed."""
+    problem by chance but never a test one) and keep the weights of the best epoch; 0 keeps the last epoch.
+    On ``tiny`` the epoch at which copying numbers clicks, and whether later epochs undo it, varies with the
+    seed."""
     init_from: str | None = None
     """An env name: start from that env's SFT checkpoint (``sft_config(init_from, model=model)``, its recipe
     and seed, trained first if not cached) instead of the bare ``model`` -- a curriculum. ALFWorld starts from
@@ -865,19 +866,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="one checkpoint per env, each with its recipe (SFT_RECIPES), unless --joint",
     )
     parser.add_argument("--joint", action="store_true", help="one checkpoint trained on all --envs together")
-    # Recipe overrides (default: the env's recipe).
-    for flag, kind in (
-        ("--epochs", int),
-        ("--lr", float),
-        ("--batch-size", int),
-        ("--max-expert-episodes", int),
-        ("--synthetic-episodes", int),
-        ("--expert-replays", int),
-        ("--expert-noise", float),
-        ("--context-weight", float),
-        ("--seed", int),
-        ("--select-best-of", int),
-    ):
+    # Recipe overrides (default: the env's recipe): one flag per SFTConfig field of that name.
+    recipe_fields = {
+        "epochs": int,
+        "lr": float,
+        "batch_size": int,
+        "max_expert_episodes": int,
+        "synthetic_episodes": int,
+        "expert_replays": int,
+        "expert_noise": float,
+        "context_weight": float,
+        "seed": int,
+        "select_best_of": int,
+    }
+    for name, kind in recipe_fields.items():
+        flag = "--" + name.replace("_", "-")
         parser.add_argument(flag, type=kind, default=None, help="default: the env's recipe")
     parser.add_argument("--eval-episodes", type=int, default=64, help="per split; 0 skips evaluation")
     parser.add_argument("--baseline", action="store_true", help="also evaluate the untrained model")
@@ -895,12 +898,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the JSON report here too")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    names = ("epochs", "lr", "batch_size", "max_expert_episodes", "synthetic_episodes", "expert_replays")
-    overrides: dict[str, Any] = {
-        k: getattr(args, k)
-        for k in (*names, "expert_noise", "context_weight", "seed", "select_best_of")
-        if getattr(args, k) is not None
-    }
+    overrides: dict[str, Any] = {k: getattr(args, k) for k in recipe_fields if getattr(args, k) is not None}
     overrides["model"] = args.model
     if args.joint:
         configs = [SFTConfig(envs=tuple(args.envs), **overrides)]
