@@ -96,8 +96,9 @@ from typing import Any
 
 import torch
 from streamrl.agents.base import Agent, EpisodeId, Generation, SamplingParams
-from streamrl.agents.hf_backend import HFBackend, HFBackendConfig, selected_token_logprobs
+from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
 from streamrl.agents.llm_agent import ContextPolicy, LLMAgent
+from streamrl.agents.logprobs import selected_token_logprobs
 from streamrl.agents.lora import LoRAConfig, wrap_lora
 from streamrl.agents.models import build_once, cache_root, load_model, load_tokenizer, resolve_model
 from streamrl.agents.prompts import ALFWorldPrompt, MathTIRPrompt, PromptFormat

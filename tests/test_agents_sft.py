@@ -90,7 +90,7 @@ def test_per_env_recipes_chain_their_cache_keys(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_sft_loss_counts_only_action_tokens(tokenizer) -> None:  # type: ignore[no-untyped-def]
-    from streamrl.agents.hf_backend import token_logprobs
+    from streamrl.agents.logprobs import token_logprobs
     from streamrl.agents.models import load_model
 
     seqs = sequences_of(expert_trajectories("math_tir", tokenizer, limit=2))
