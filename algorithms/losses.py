@@ -7,16 +7,20 @@ diagnostics, computed over the mask tokens of that call and detached.
 Sections refer to ``shared/reference/algorithms.md``: 1.1 PPO-clip + Dual-Clip (verl
 ``compute_policy_loss_vanilla``; Ye et al. 2020), 1.2 aggregation (verl ``agg_loss``, TRL ``loss_type``),
 1.3 KL estimators (Schulman; verl ``kl_penalty``), 4.4/6 rollout importance weights (SPO++; verl
-``rollout_is``; AReaL decoupled PPO), 5.1 SAO's DIS, 5.2 clipped value loss (verl).
+``rollout_is``; AReaL decoupled PPO), 5.1 SAO's DIS, 5.2 clipped value loss (verl). ``sft_loss``, the
+behaviour-cloning loss of the SFT cold start, takes the model and token sequences rather than per-token tensors.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+from streamrl.agents.hf_backend import selected_token_logprobs
+from streamrl.agents.trajectory import TokenSequence
 from torch import Tensor
 
 LOG_RATIO_CLAMP = 20.0
@@ -561,3 +565,38 @@ def clipped_value_loss(
         explained_variance=explained,
         num_tokens=int(mask.sum()),
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Behaviour cloning (SFT cold start, ``streamrl.algorithms.sft``)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def sft_loss(
+    model: Any, batch: Sequence[TokenSequence], pad_token_id: int, context_weight: float = 0.0
+) -> tuple[torch.Tensor, int]:
+    """Behaviour-cloning loss: the mean negative log-likelihood of the action tokens of ``batch`` (right-padded),
+    plus ``context_weight`` times the mean NLL of its other tokens (``SFTConfig.context_weight``); returns
+    (loss, action tokens). Each mean is over its tokens of the whole batch (token-mean aggregation).
+
+    Logits are computed only where they are needed (``selected_token_logprobs``): at the positions whose next
+    token is an action token, or at every position when ``context_weight`` is non-zero.
+    """
+    width = max(len(s) for s in batch)
+    ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+    attn = torch.zeros((len(batch), width), dtype=torch.long)
+    target = torch.zeros((len(batch), width), dtype=torch.bool)
+    for row, seq in enumerate(batch):
+        ids[row, : len(seq)] = torch.as_tensor(seq.token_ids)
+        attn[row, : len(seq)] = 1
+        target[row, : len(seq)] = torch.as_tensor(seq.action_mask, dtype=torch.bool)
+    device = next(model.parameters()).device
+    select = attn[:, 1:].bool() if context_weight else target[:, 1:]
+    lp = selected_token_logprobs(model, ids.to(device), attn.to(device), select.to(device))
+    if not context_weight:
+        return -lp.mean(), int(lp.numel())
+    is_action = target[:, 1:][select].to(device)
+    loss = -lp[is_action].mean()
+    if not bool(is_action.all()):
+        loss = loss - context_weight * lp[~is_action].mean()
+    return loss, int(is_action.sum())
