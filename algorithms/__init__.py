@@ -23,6 +23,7 @@ from streamrl.algorithms.advantages import (
     weighted_standardize,
 )
 from streamrl.algorithms.losses import (
+    LossAggregation,
     PolicyLoss,
     PPOTokenTerms,
     RolloutIS,
@@ -55,6 +56,7 @@ __all__ = [
     "WHITEN_EPS",
     "EventTracker",
     "GAEResult",
+    "LossAggregation",
     "PPOTokenTerms",
     "PolicyLoss",
     "Receipt",

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from streamrl.algorithms.losses import (
+    LossAggregation,
     aggregate_loss,
     clipped_value_loss,
     dis_policy_loss,
@@ -241,12 +242,12 @@ def test_t11_kl_estimators() -> None:
 def test_t12_aggregation(mode: str, expected: float) -> None:
     loss = t([[1, 2, 99, 99], [3, 4, 5, 6]])
     mask = t([[1, 1, 0, 0], [1, 1, 1, 1]])
-    assert float(aggregate_loss(loss, mask, mode)) == pytest.approx(expected, abs=TOL)  # type: ignore[arg-type]
+    assert float(aggregate_loss(loss, mask, LossAggregation(mode))) == pytest.approx(expected, abs=TOL)  # type: ignore[arg-type]
 
 
 def test_aggregation_rejects_unknown_modes() -> None:
     with pytest.raises(ValueError, match="unknown aggregation mode"):
-        aggregate_loss(torch.zeros(1, 1), torch.ones(1, 1), "mean")  # type: ignore[arg-type]
+        LossAggregation("mean")  # type: ignore[arg-type]
 
 
 @settings(max_examples=40, deadline=None)
@@ -263,12 +264,11 @@ def test_micro_batches_with_global_counts_sum_to_the_full_batch(
     token_loss = torch.randn(batch, width, generator=gen, dtype=F64)
     mask = (torch.rand(batch, width, generator=gen) > 0.3).to(F64)
     mask[:, 0] = 1
-    counts = {"num_tokens": float(mask.sum()), "num_sequences": batch, "max_tokens": width}
     for mode in AGG_MODES:
-        full = aggregate_loss(token_loss, mask, mode)  # type: ignore[arg-type]
+        full = aggregate_loss(token_loss, mask, LossAggregation(mode))  # type: ignore[arg-type]
+        whole = LossAggregation.of_batch(mask, mode)  # type: ignore[arg-type]
         parts = sum(
-            aggregate_loss(token_loss[rows], mask[rows], mode, **counts)  # type: ignore[arg-type]
-            for rows in torch.arange(batch).chunk(micro)
+            aggregate_loss(token_loss[rows], mask[rows], whole) for rows in torch.arange(batch).chunk(micro)
         )
         assert float(parts) == pytest.approx(float(full), abs=1e-12), mode
 
@@ -286,7 +286,12 @@ def test_ppo_gradient_accumulation_over_micro_batches_matches_the_full_batch() -
         total = (
             total
             + ppo_policy_loss(
-                logp[rows], old[rows], adv[rows], mask[rows], dual_clip_c=2.0, num_tokens=float(mask.sum())
+                logp[rows],
+                old[rows],
+                adv[rows],
+                mask[rows],
+                dual_clip_c=2.0,
+                agg=LossAggregation.of_batch(mask),
             ).loss
         )
     (g_micro,) = torch.autograd.grad(total, logp)
@@ -316,7 +321,7 @@ def test_clipped_value_loss() -> None:
 
 def test_sft_loss_counts_only_action_tokens() -> None:
     # Real expert data through the tiny model, against a per-sequence full-logit computation.
-    from streamrl.agents.hf_backend import token_logprobs
+    from streamrl.agents.logprobs import token_logprobs
     from streamrl.agents.models import load_model, load_tokenizer, resolve_model
     from streamrl.agents.teacher_forcing import expert_trajectories, sequences_of
 
