@@ -2,7 +2,7 @@
 
 The SPO++ paper starts Math-TIR from an SFT checkpoint; this module gives a small model (``tiny``) the same
 kind of start. RL on an env starts from that env's own checkpoint (``sft_checkpoint("math_tir")``,
-``sft_checkpoint("alfworld")``): trained on both envs' data together, ``tiny`` left Math-TIR near zero.
+``sft_checkpoint("alfworld")``): trained on both envs' data together, ``tiny`` left Math-TIR at 3%.
 
 1. **Expert data** (``streamrl.agents.teacher_forcing``): expert episodes played through the ``LLMAgent``'s
    own rendering, so the training sequences have the token layout and ``action_mask`` the agent produces at

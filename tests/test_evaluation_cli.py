@@ -235,3 +235,26 @@ def test_alfworld_generate_into_the_given_cache(tmp_path: Path, capsys: pytest.C
     assert (
         "unknown split(s) ['valid']; valid: ['train', 'eval_seen', 'eval_unseen']" in capsys.readouterr().err
     )
+
+
+@pytest.mark.slow
+def test_sft_command_builds_evaluates_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The checkpoint of tests/test_algo_sft.py::test_sft_improves_over_untrained_model (same config, so the
+    # same cache key: built once per cache), then 2 greedy episodes per split.
+    import json
+
+    from streamrl.algorithms.sft import SFTConfig
+
+    out = tmp_path / "report.json"
+    recipe = ["--max-expert-episodes", "16", "--synthetic-episodes", "0", "--epochs", "30", "--lr", "0.005"]
+    argv = ["sft", "--joint", "--envs", "math_tir", *recipe, "--eval-episodes", "2", "--temperature", "0"]
+    assert main([*argv, "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out) == report
+    (entry,) = report["checkpoints"]
+    config = SFTConfig(envs=("math_tir",), max_expert_episodes=16, synthetic_episodes=0, epochs=30, lr=5e-3)
+    assert entry["checkpoint"].endswith(config.key()) and entry["sft"]["data"]["math_tir"]["episodes"] == 16
+    assert [(e["split"], e["temperature"], e["episodes"]) for e in entry["eval"]] == [
+        ("train", 0.0, 2),
+        ("test", 0.0, 2),
+    ]
