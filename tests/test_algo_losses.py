@@ -18,6 +18,7 @@ from streamrl.algorithms.losses import (
     ppo_clip_token_loss,
     ppo_policy_loss,
     rollout_importance_weights,
+    sft_loss,
 )
 
 F64 = torch.float64
@@ -316,3 +317,26 @@ def test_clipped_value_loss() -> None:
     assert float(plain.loss.detach()) == pytest.approx(0.5 * (0.0 + 0.04) / 2)
     perfect = clipped_value_loss(returns.clone(), returns, returns, mask)
     assert float(perfect.explained_variance) == pytest.approx(1.0)
+
+
+def test_sft_loss_counts_only_action_tokens() -> None:
+    # Real expert data through the tiny model, against a per-sequence full-logit computation.
+    from streamrl.agents.logprobs import token_logprobs
+    from streamrl.agents.models import load_model, load_tokenizer, resolve_model
+    from streamrl.agents.teacher_forcing import expert_trajectories, sequences_of
+
+    tokenizer = load_tokenizer(resolve_model("tiny"))
+    seqs = sequences_of(expert_trajectories("math_tir", tokenizer, limit=2))
+    model = load_model(resolve_model("tiny"))
+    loss, n = sft_loss(model, seqs, tokenizer.pad_token_id)
+    assert n == sum(s.num_action_tokens for s in seqs)
+    manual, context = [], []
+    for s in seqs:  # one sequence at a time, no padding, full logits
+        lp = token_logprobs(model, torch.tensor([s.token_ids]), torch.ones(1, len(s), dtype=torch.long))[0]
+        manual += [-lp[i - 1].item() for i, m in enumerate(s.action_mask) if m]
+        context += [-lp[i - 1].item() for i, m in enumerate(s.action_mask) if i and not m]
+    assert abs(loss.item() - sum(manual) / len(manual)) < 1e-4
+    # With a context weight, every other real token (not the padding) is a language-modelling target too.
+    loss, n = sft_loss(model, seqs, tokenizer.pad_token_id, context_weight=0.25)
+    assert n == len(manual) and len({len(s) for s in seqs}) > 1  # the batch really is padded
+    assert abs(loss.item() - (sum(manual) / len(manual) + 0.25 * sum(context) / len(context))) < 1e-4
