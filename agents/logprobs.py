@@ -53,6 +53,7 @@ def selected_token_logprobs(
     select: torch.Tensor,
     *,
     with_entropy: bool = False,
+    temperature: float = 1.0,
 ) -> Any:
     """``token_logprobs(...)[select]`` without computing logits anywhere else, shape ``[select.sum()]``.
 
@@ -62,10 +63,15 @@ def selected_token_logprobs(
 
     With ``with_entropy`` it returns ``(logprobs, entropy)``: the entropy of the model's full next-token
     distribution at each selected position (a training diagnostic; it costs no second projection).
+    ``temperature`` scores under softmax(logits / T), the distribution a sampler at temperature T draws from.
     """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 to score a sampling policy, got {temperature}")
     hidden = last_hidden_states(model, input_ids, attention_mask)
     chosen = hidden[:, :-1][select]
     logits = model.get_output_embeddings()(chosen).float()
+    if temperature != 1.0:
+        logits = logits / temperature
     targets = input_ids[:, 1:][select]
     log_probs = torch.log_softmax(logits, dim=-1)
     selected = log_probs.gather(-1, targets[:, None]).squeeze(-1)

@@ -79,8 +79,6 @@ class TrainConfig:
     """Episodes in flight at once (sub-envs of the vector env)."""
     max_staleness: int = 1
     """S: a trained token is at most S versions older than the policy trained (0 = synchronous trainer)."""
-    publish_every: int | None = None
-    """P: updates per published version; ``None`` = the algorithm's (SPO++: 1 on ALFWorld, 2 on Math-TIR)."""
     tasks: int | None = None
     """Train on the first N tasks of the training split (``None`` = all)."""
     offline_rollouts: int = 8
@@ -110,7 +108,8 @@ class TrainConfig:
     seed: int = 0
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     algorithm: Mapping[str, Any] = field(default_factory=dict)
-    """Overrides of the algorithm's config fields (e.g. ``{"dual_clip_c": 3.0}``)."""
+    """Overrides of the algorithm's config fields (e.g. ``{"dual_clip_c": 3.0, "publish_every": 1}``), laid
+    over the algorithm's preset for ``env`` (SPO++ publishes every update on ALFWorld, every two on Math-TIR)."""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -206,8 +205,6 @@ class Trainer:
         self.log = log
         self.show_progress = progress
         self.algorithm = algorithm if algorithm is not None else self._make_algorithm(config)
-        if config.publish_every is not None:
-            self.algorithm.config = replace(self.algorithm.config, publish_every=config.publish_every)
         self.config = config
         self.run_dir = Path(config.out)
         self._validate(resume)
@@ -227,7 +224,7 @@ class Trainer:
             raise ConfigError(str(exc)) from exc
 
     def _validate(self, resume: bool) -> None:
-        from streamrl.agents.sft import ENV_SPECS
+        from streamrl.agents.env_specs import ENV_SPECS
 
         c = self.config
         if not c.out:
@@ -283,14 +280,15 @@ class Trainer:
 
     # -- construction ----------------------------------------------------------------------------------------
     def _build(self) -> None:
+        from streamrl.agents.env_specs import env_spec, make_env, task_ids_of
         from streamrl.agents.models import load_model, load_tokenizer, resolve_model
-        from streamrl.agents.sft import env_spec, make_env, sft_checkpoint, sft_config, task_ids_of
+        from streamrl.algorithms.sft import SFTConfig, sft_checkpoint
         from streamrl.envs.vector import StreamingVectorEnv, VectorEnvConfig
 
         c = self.config
         self.spec = env_spec(c.env)
         if c.init == "sft":
-            model_dir = sft_checkpoint(sft_config(c.env, model=c.model), log=self.log)
+            model_dir = sft_checkpoint(SFTConfig.for_env(c.env, model=c.model), log=self.log)
         else:
             model_dir = resolve_model(c.model)
         self.model_dir = Path(model_dir)
@@ -384,7 +382,7 @@ class Trainer:
         )
 
     def _eval_tasks(self) -> list[str]:
-        from streamrl.agents.sft import make_env, task_ids_of
+        from streamrl.agents.env_specs import make_env, task_ids_of
 
         if not self.config.eval_episodes or not self.config.eval_every:
             return []

@@ -1,6 +1,7 @@
 """The ``streamrl`` command line: one program, one subcommand for each thing a user runs.
 
 streamrl demo                  play Math-TIR test problems with the scripted solver through the real sandbox
+streamrl train                 train a policy with SPO, SPO++, GRPO, SAO or your own algorithm
 streamrl sft                   behaviour-clone a model on expert trajectories (SFT cold start), then evaluate it
 streamrl alfworld-generate     generate the offline ALFWorld game splits into the cache
 
@@ -232,6 +233,98 @@ def _alfworld_generate(argv: Sequence[str]) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# streamrl train
+
+
+@dataclass(frozen=True)
+class TrainRunOptions:
+    """``streamrl train``: train a policy with SPO, SPO++, GRPO, SAO or your own algorithm on the
+    single-stream runtime; writes the run directory (config, metrics.jsonl, TensorBoard, policies, checkpoints)."""
+
+    config: Path | None = None
+    """A YAML file of TrainConfig fields (with ``learner:`` and ``algorithm:`` sections); flags override it."""
+    resume: Path | None = None
+    """Continue the run in this directory from its last checkpoint (its saved config; flags must agree)."""
+    progress: bool = True
+    """Show a progress bar (``--no-progress`` for logs)."""
+
+
+_TRAIN_NO_FLAG = ("learner", "algorithm")
+
+
+def parse_train_args(argv: Sequence[str]) -> tuple[TrainRunOptions, Any]:
+    """``streamrl train``'s options and the ``TrainConfig``: defaults < ``--config`` YAML (or the resumed
+    run's config) < flags. The algorithm's own fields (those of ``--algo``'s config class) are flags too."""
+    from streamrl.algorithms.base import algorithm_class
+    from streamrl.algorithms.learner import LearnerConfig
+    from streamrl.algorithms.train import TrainConfig
+    from streamrl.evaluation.config_cli import dataclass_from_dict, load_config_file
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--algo", default=None)
+    pre.add_argument("--config", type=Path, default=None)
+    pre.add_argument("--resume", type=Path, default=None)
+    known, _ = pre.parse_known_args(list(argv))
+    base: dict[str, Any] = {}
+    if known.resume is not None:
+        saved = known.resume / "config.json"
+        if not saved.is_file():
+            raise SystemExit(f"streamrl train: --resume {known.resume}: no run there (no config.json)")
+        base = json.loads(saved.read_text())
+    elif known.config is not None:
+        base = load_config_file(known.config)
+    algo = known.algo or base.get("algo") or TrainConfig.algo
+    try:
+        algo_cls = algorithm_class(algo)
+    except (ValueError, FileNotFoundError) as error:
+        raise SystemExit(f"streamrl train: {error}") from None
+
+    parser = _parser("train", TrainRunOptions.__doc__)
+    add_dataclass_arguments(parser.add_argument_group("run"), TrainRunOptions)
+    add_dataclass_arguments(
+        parser.add_argument_group("training (TrainConfig)"), TrainConfig, exclude=_TRAIN_NO_FLAG
+    )
+    add_dataclass_arguments(
+        parser.add_argument_group("learner (LearnerConfig)"), LearnerConfig, exclude=("lora_target_modules",)
+    )
+    add_dataclass_arguments(
+        parser.add_argument_group(f"algorithm ({algo_cls.config_class.__name__} of --algo {algo})"),
+        algo_cls.config_class,
+        default_help="default: {default}, unless the env's preset sets it",
+    )
+    args = parser.parse_args(list(argv))
+    options = _build(parser, TrainRunOptions, args)
+    try:
+        values = dict(base)
+        values.update(given_arguments(TrainConfig, args))
+        learner = dict(values.get("learner") or {})
+        learner.update(given_arguments(LearnerConfig, args))
+        values["learner"] = dataclass_from_dict(LearnerConfig, learner, "learner")
+        algorithm = dict(values.get("algorithm") or {})
+        algorithm.update(given_arguments(algo_cls.config_class, args))
+        values["algorithm"] = algorithm
+        if options.resume is not None:
+            values["out"] = str(options.resume)
+        config = TrainConfig.from_dict(values)
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
+    return options, config
+
+
+def _train(argv: Sequence[str]) -> int:
+    from streamrl.algorithms.train import ConfigError, train
+
+    options, config = parse_train_args(argv)
+    try:
+        summary = train(config, resume=options.resume is not None, progress=options.progress)
+    except ConfigError as error:
+        print(f"streamrl train: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Dispatch
 
 
@@ -253,6 +346,7 @@ def _build(parser: argparse.ArgumentParser, cls: type[T], args: argparse.Namespa
 
 COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
     "demo": ("play Math-TIR with the scripted solver through the real sandbox", _demo),
+    "train": ("train a policy (SPO, SPO++, GRPO, SAO or your own) on the single-stream runtime", _train),
     "sft": ("behaviour-clone a model on expert trajectories (SFT cold start), then evaluate it", _sft),
     "alfworld-generate": ("generate the offline ALFWorld game splits into the cache", _alfworld_generate),
 }
