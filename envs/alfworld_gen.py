@@ -7,7 +7,7 @@ receptacle/object compatibility tables (``alfworld.gen.constants``), the goal te
 floor plans (``alfworld/gen/layouts``). This module samples rooms from those tables, writes standard
 ``game.tw-pddl`` + ``traj_data.json`` folders (which alfworld's own ``AlfredTWEnv`` also reads), builds a
 constructive walkthrough and keeps a game only if the real engine says the goal is false at reset and the
-walkthrough wins it. Design and measurements: ``shared/reference/alfworld.md`` sections 4-5.
+walkthrough wins it. Design and measurements: ``docs/alfworld.md`` §2-3.
 
 Generated games are ALFWorld-*style*: same engine, domain, grammar, task types and room contents, but
 not the ALFWorld benchmark games; numbers on them are not comparable to published ALFWorld scores.
@@ -221,7 +221,7 @@ def _scene(floor_plan: int) -> tuple[tuple[str, ...], dict[str, int]]:
 
 
 def _sample_spec(task_type: str, split: str, rng: random.Random) -> GameSpec | None:
-    """Sample a room and task (section 5 of the reference); ``None`` when the draw cannot host the task."""
+    """Sample a room and task (docs/alfworld.md §3); ``None`` when the draw cannot host the task."""
     floor_plan = rng.choice(floor_plans(split, task_type))
     present, counts = _scene(floor_plan)
     present_set = set(present)
@@ -351,7 +351,7 @@ def plan_to_commands(plan: Sequence[tuple[str, ...]], names: dict[str, str]) -> 
 
 
 def to_pddl(spec: GameSpec) -> str:
-    """The PDDL problem of a spec, in the layout of ALFWorld's problem files (section 4 of the reference)."""
+    """The PDDL problem of a spec, in the layout of ALFWorld's problem files (docs/alfworld.md §2)."""
     rec, objs = spec.receptacles, spec.objects
     loc = {r: f"loc_{k}" for k, r in enumerate(rec)}
     lines = ["(define (problem streamrl_alfworld)", "(:domain alfred)", "(:objects", "agent1 - agent"]

@@ -4,14 +4,14 @@ Three sources, each task carrying a *reference solution program* (Python that pr
 the scripted solver (``streamrl.agents.math_solver``) sends through the real sandbox:
 
 * ``gsm_symbolic`` -- ``reasoning-gym==0.1.25``'s GSM8K-derived templates (Apache-2.0). The training split
-  is 1,500 problems (seed 42, as in reference/platform.md §4.1); the test split is drawn with another seed
+  is 1,500 problems (seed 42; docs/platform.md §5); the test split is drawn with another seed
   and keeps only questions absent from the training split (the two share templates, as GSM-Symbolic
   variants do). Solution programs are translated from each problem's worked solution
   (``metadata["answer_cot"]``): every ``<arithmetic> = <number>`` it states becomes one Python line; a
   problem whose worked arithmetic cannot be translated to its final answer gets a program that prints the
   answer key and says so (``MathTask.solution_kind == "answer_key"``; see :func:`solution_coverage`).
 * ``procedural`` -- our own generator of multi-step arithmetic and algebra word problems with exact
-  (``Fraction``) answers: thirteen families adapted from reference/platform.md §4.2 plus two chained
+  (``Fraction``) answers: thirteen families (docs/platform.md §5) plus two chained
   families where each step's result feeds the next.
 * ``custom`` -- a user's own ``(question, answer)`` records (:func:`custom_tasks`).
 
