@@ -1,8 +1,9 @@
 """streamrl.algorithms: how the agent learns.
 
 The core is pure tensor math that every algorithm module shares: the event tracker (policy clock and
-prompt memory), advantage estimators with their normalizations, and the policy/value losses. See
-``docs/algorithms.md`` for the map from each function to its equation.
+prompt memory), advantage estimators with their normalizations, and the policy/value losses.
+``docs/reference.md`` states each equation with its source, the test oracles and the project's decisions
+where the papers are silent; ``docs/algorithms.md`` maps each function to it and works an example.
 """
 
 from streamrl.algorithms.advantages import (

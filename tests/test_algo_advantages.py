@@ -1,4 +1,4 @@
-"""Advantages and normalizations against the spec oracles (T1, T7, T10) and their defining properties."""
+"""Advantages and normalizations against the oracles T1, T7, T10 of docs/reference.md and their defining properties."""
 
 from __future__ import annotations
 
@@ -200,7 +200,7 @@ def test_t10_length_adaptive_lambda() -> None:
     torch.testing.assert_close(
         length_adaptive_lambda(t([10, 1000])), t([0.9333333, 0.9993333]), atol=TOL, rtol=0
     )
-    assert float(length_adaptive_lambda(t([0.5]))[0]) == 0.0  # clamped [INF]
+    assert float(length_adaptive_lambda(t([0.5]))[0]) == 0.0  # clamped (decision D10)
 
 
 def _reference_gae_on_actions(

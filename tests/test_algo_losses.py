@@ -1,4 +1,4 @@
-"""Losses against the spec oracles (T8, T9, T11, T12, T13) and their defining properties."""
+"""Losses against the oracles T8, T9, T11, T12, T13 of docs/reference.md and their defining properties."""
 
 from __future__ import annotations
 
