@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
@@ -66,8 +66,8 @@ def weighted_standardize(
     """
     if values.shape != weights.shape:
         raise ValueError(f"values {tuple(values.shape)} and weights {tuple(weights.shape)} must match")
-    if eps_placement not in ("std", "var"):
-        raise ValueError(f"eps_placement must be 'std' or 'var', got {eps_placement!r}")
+    if eps_placement not in get_args(EpsPlacement):
+        raise ValueError(f"eps_placement must be one of {get_args(EpsPlacement)}, got {eps_placement!r}")
     if bool((weights < 0).any()):
         raise ValueError("weights must be non-negative")
     weights = weights.to(values.dtype)
@@ -176,10 +176,10 @@ def group_advantages(
     A group whose rewards are all equal gets A = 0.
     """
     _require_1d("rewards", rewards)
-    if scale not in ("group", "batch", "none"):
-        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
-    if singleton not in ("error", "raw", "zero"):
-        raise ValueError(f"singleton must be 'error', 'raw' or 'zero', got {singleton!r}")
+    if scale not in get_args(GroupScale):
+        raise ValueError(f"scale must be one of {get_args(GroupScale)}, got {scale!r}")
+    if singleton not in get_args(SingletonGroup):
+        raise ValueError(f"singleton must be one of {get_args(SingletonGroup)}, got {singleton!r}")
     keys = group_ids.tolist() if isinstance(group_ids, Tensor) else list(group_ids)
     if len(keys) != rewards.shape[0]:
         raise ValueError(f"{len(keys)} group ids for {rewards.shape[0]} rewards")

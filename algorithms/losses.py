@@ -387,15 +387,15 @@ def rollout_importance_weights(
         raise ValueError(f"threshold must be > 0, got {threshold}")
     if lower_threshold is not None and not 0 <= lower_threshold < threshold:
         raise ValueError(f"lower_threshold must be in [0, threshold={threshold}), got {lower_threshold}")
-    if mode not in ("truncate", "mask"):
-        raise ValueError(f"mode must be 'truncate' or 'mask', got {mode!r}")
+    if mode not in get_args(ISMode):
+        raise ValueError(f"mode must be one of {get_args(ISMode)}, got {mode!r}")
+    if level not in get_args(ISLevel):
+        raise ValueError(f"level must be one of {get_args(ISLevel)}, got {level!r}")
     m = mask.to(old_logp.dtype)
     with torch.no_grad():
         log_w = (old_logp - rollout_logp) * m
         if level == "sequence":
             log_w = log_w.sum(dim=-1, keepdim=True).expand_as(log_w)
-        elif level != "token":
-            raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
         w = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         above = w > threshold
         if mode == "truncate":
@@ -451,8 +451,8 @@ def dis_policy_loss(
         raise ValueError(
             f"need 0 < eps_low <= 1 and eps_high > 0, got eps_low={eps_low}, eps_high={eps_high}"
         )
-    if form not in ("ratio", "logp"):
-        raise ValueError(f"form must be 'ratio' or 'logp', got {form!r}")
+    if form not in get_args(DISForm):
+        raise ValueError(f"form must be one of {get_args(DISForm)}, got {form!r}")
     adv = _token_advantages(advantages, mask)
     log_ratio = logp - rollout_logp
     with torch.no_grad():

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from fractions import Fraction
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 from torch import Tensor
@@ -80,16 +80,16 @@ class TrackerConfig:
     """Seed of the sampler's numpy ``Generator`` (its state is part of ``state_dict``)."""
 
     def __post_init__(self) -> None:
-        if self.mode not in ("event-time", "receipt-order", "bookkeeping"):
-            raise ValueError(
-                f"mode must be 'event-time', 'receipt-order' or 'bookkeeping', got {self.mode!r}"
-            )
-        if self.retention not in ("constant", "drift"):
-            raise ValueError(f"retention must be 'constant' or 'drift', got {self.retention!r}")
+        if self.mode not in get_args(MemoryMode):
+            raise ValueError(f"mode must be one of {get_args(MemoryMode)}, got {self.mode!r}")
+        if self.retention not in get_args(Retention):
+            raise ValueError(f"retention must be one of {get_args(Retention)}, got {self.retention!r}")
         if self.retention == "drift" and self.mode != "receipt-order":
             raise ValueError(f"retention='drift' needs mode='receipt-order' (SPO), got mode={self.mode!r}")
-        if self.reward_domain not in ("binary", "unit"):
-            raise ValueError(f"reward_domain must be 'binary' or 'unit', got {self.reward_domain!r}")
+        if self.reward_domain not in get_args(RewardDomain):
+            raise ValueError(
+                f"reward_domain must be one of {get_args(RewardDomain)}, got {self.reward_domain!r}"
+            )
         if not 0 < self.rho <= 1:
             raise ValueError(f"rho must be in (0, 1], got {self.rho}")
         if not 0 < self.rho_min <= self.rho_max < 1:
@@ -675,7 +675,10 @@ class EventTracker:
 
 __all__ = [
     "EventTracker",
+    "MemoryMode",
     "Receipt",
+    "Retention",
+    "RewardDomain",
     "TaskStats",
     "Ticket",
     "TrackerConfig",

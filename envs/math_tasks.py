@@ -28,14 +28,17 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 __all__ = [
     "GSM_TEST_SEED",
     "GSM_TRAIN_SEED",
     "PROCEDURAL_FAMILIES",
     "MathTask",
+    "SolutionKind",
+    "Source",
     "Split",
+    "TaskOrigin",
     "cot_to_program",
     "custom_tasks",
     "gsm_symbolic_tasks",
@@ -46,8 +49,14 @@ __all__ = [
 ]
 
 Split = Literal["train", "test"]
-SPLITS: tuple[str, ...] = ("train", "test")
-SOURCES: tuple[str, ...] = ("gsm_symbolic", "procedural", "mixed")
+SPLITS: tuple[Split, ...] = get_args(Split)
+Source = Literal["gsm_symbolic", "procedural", "mixed"]
+"""A task set to draw from: one source, or both interleaved (``"mixed"``)."""
+SOURCES: tuple[Source, ...] = get_args(Source)
+SolutionKind = Literal["program", "cot", "answer_key"]
+"""Where a task's solution program comes from (see :class:`MathTask`)."""
+TaskOrigin = Literal["gsm_symbolic", "procedural", "custom"]
+"""Which source a single task came from (``"custom"``: a user's record)."""
 
 TRAIN_SIZE = 1500
 TEST_SIZE = 300
@@ -70,8 +79,8 @@ class MathTask:
     question: str
     answer: str
     solution: str
-    solution_kind: Literal["program", "cot", "answer_key"]
-    source: str
+    solution_kind: SolutionKind
+    source: TaskOrigin
     split: str
     meta: Mapping[str, Any] = field(default_factory=dict)
 
@@ -673,7 +682,9 @@ def custom_tasks(
     return tuple(tasks)
 
 
-def task_set(source: str = "mixed", split: Split = "train", size: int | None = None) -> tuple[MathTask, ...]:
+def task_set(
+    source: Source = "mixed", split: Split = "train", size: int | None = None
+) -> tuple[MathTask, ...]:
     """The tasks of ``source`` (``"gsm_symbolic"``, ``"procedural"`` or ``"mixed"``) and ``split``.
 
     ``"mixed"`` interleaves the two sources (gsm_symbolic first), ``size`` tasks in all (default: both

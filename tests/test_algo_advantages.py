@@ -160,6 +160,15 @@ def test_t7_group_of_one() -> None:
         group_advantages(t([1.0, 0.0, 1.0]), ["a", "a", "b"])
 
 
+def test_group_and_whitening_choices_are_refused_with_the_valid_set() -> None:
+    with pytest.raises(ValueError, match=r"scale must be one of \('group', 'batch', 'none'\), got 'std'"):
+        group_advantages(t([1.0, 0.0]), ["a", "a"], scale="std")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"singleton must be one of \('error', 'raw', 'zero'\), got 'drop'"):
+        group_advantages(t([1.0, 0.0]), ["a", "b"], singleton="drop")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"eps_placement must be one of \('std', 'var'\), got 'both'"):
+        token_measure_normalize(t([1.0, 0.0]), prefix_mask([1, 2]), eps_placement="both")  # type: ignore[arg-type]
+
+
 def test_group_advantages_interleaved_groups_and_batch_scale() -> None:
     rewards = t([1, 5, 0, 7, 1])
     ids = ["a", "b", "a", "b", "a"]

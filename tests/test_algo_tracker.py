@@ -373,6 +373,7 @@ def test_errors_name_the_offending_value() -> None:
         ({"rho_min": 0.97}, "rho_min <= rho_max"),
         ({"prior_mass": -1.0}, "prior_mass"),
         ({"reward_domain": "real"}, "reward_domain"),
+        ({"retention": "kl"}, r"retention must be one of \('constant', 'drift'\), got 'kl'"),
     ],
 )
 def test_config_validation(kwargs: dict, match: str) -> None:
