@@ -7,10 +7,13 @@ the episodes that finished -- first-ready, so a long episode never holds up a sh
 env worker failed comes back too, its trajectory marked with ``info["error"]``.
 
 Determinism. A job's env seed and the agent's episode id derive from the job's ``key`` (the ticket's
-dispatch index), never from the order in which results arrive. With ``lockstep=True`` ``poll`` waits for
-every pending sub-env before generating, so the batches the backend sees are the same from run to run and a
-seeded run is reproducible bit for bit (the synchronous trainer, ``max_staleness=0``). Otherwise it takes
-what is ready, which is faster and nondeterministic in batch composition only.
+dispatch index), never from the order in which results arrive. A backend seeds row ``i`` of a generation
+call with ``sampling.seed + i``; a fixed seed would replay the same noise in every call (every turn of an
+episode, every episode that lands in row 0), so each call's seed derives from the agent's seed and the
+(key, turn) of every row in it. With ``lockstep=True`` ``poll`` waits for every pending sub-env before
+generating, so the batches the backend sees are the same from run to run and a seeded run is reproducible
+bit for bit (the synchronous trainer, ``max_staleness=0``). Otherwise it takes what is ready, which is
+faster and nondeterministic in batch composition only.
 
 ``collect`` plays a fixed list of jobs to the end with no training (offline value initialization,
 held-out evaluation).
@@ -21,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from streamrl.agents.llm_agent import LLMAgent
@@ -80,6 +83,8 @@ class Rollouts:
         self.seed = seed
         self.lockstep = lockstep
         self._running: dict[int, _Running] = {}  # by venv episode id
+        self._sampling_seed = agent.sampling.seed
+        """The agent's own seed; each generation call gets one derived from it (module doc)."""
         self.generation_seconds = 0.0
         """Wall time spent inside the agent's generation calls."""
         self.generated_tokens = 0
@@ -148,6 +153,11 @@ class Rollouts:
             to_act.sort(key=lambda item: item[0].job.key)  # batch order independent of arrival order
             started = time.perf_counter()
             before = self._tokens_of([run for run, _ in to_act])
+            if self._sampling_seed is not None:
+                rows = tuple((run.job.key, run.steps) for run, _ in to_act)
+                self.agent.sampling = replace(
+                    self.agent.sampling, seed=derive_seed(self._sampling_seed, "generate", rows)
+                )
             actions = self.agent.act(
                 [r.obs for _, r in to_act], [r.info for _, r in to_act], [run.job.key for run, _ in to_act]
             )
