@@ -87,6 +87,9 @@ class TrainConfig:
     """Rollout sampling temperature (the learner scores under the same temperature)."""
     max_new_tokens: int | None = None
     """Tokens per turn; ``None`` = the env's default."""
+    env_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the env over its spec's (e.g. ``{"max_steps": 8}``: shorter ALFWorld episodes);
+    the training, offline-value and evaluation envs all get them."""
     eval_every: int = 10
     """Updates between held-out evaluations (0 = none); one runs before the first update and at the end."""
     eval_episodes: int = 64
@@ -114,6 +117,7 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["algorithm"] = dict(self.algorithm)
+        data["env_kwargs"] = dict(self.env_kwargs)
         return data
 
     @classmethod
@@ -121,7 +125,13 @@ class TrainConfig:
         valid = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - valid)
         if unknown:
-            raise ValueError(f"unknown train config key(s) {unknown}; valid: {sorted(valid)}")
+            why = ""
+            if {"top_p", "top_k"} & set(unknown):
+                why = (
+                    " (rollouts sample the full softmax at `temperature`: the learner scores that distribution, "
+                    "and a truncated one (top-p < 1, top-k) would make the importance ratio pi_old/pi_rollout wrong)"
+                )
+            raise ValueError(f"unknown train config key(s) {unknown}{why}; valid: {sorted(valid)}")
         values = dict(data)
         if isinstance(values.get("learner"), Mapping):
             learner = dict(values["learner"])
@@ -146,7 +156,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class Ledger:
-    """generated = trained + dropped_stale + dropped_group + failed + buffered (+ in flight for tokens)."""
+    """Closes in trajectories and in action tokens: dispatched = trained + dropped_stale + dropped_group + failed +
+    buffered + in flight, and generated_tokens = trained + dropped + failed + buffered + in-flight tokens."""
 
     dispatched: int = 0
     finished: int = 0
@@ -157,6 +168,9 @@ class Ledger:
     """Whole groups without reward variance (DAPO) or with too few members left."""
     failed: int = 0
     """Ended by an env worker failure (``info["error"]``): neither filed nor trained."""
+    generated_tokens: int = 0
+    """Counted as the backend generates them (``Rollouts.generated_tokens``), independently of the rest; the
+    tokens of episodes in flight at a checkpoint are not carried over (a resumed run plays them again)."""
     trained_tokens: int = 0
     dropped_tokens: int = 0
     failed_tokens: int = 0
@@ -164,20 +178,12 @@ class Ledger:
     def row(
         self, buffered: int, buffered_tokens: int, in_flight: int, in_flight_tokens: int
     ) -> dict[str, int]:
-        generated_tokens = (
-            self.trained_tokens
-            + self.dropped_tokens
-            + self.failed_tokens
-            + buffered_tokens
-            + in_flight_tokens
-        )
         return {
             **{f"ledger/{k}": v for k, v in asdict(self).items()},
             "ledger/buffered": buffered,
             "ledger/in_flight": in_flight,
             "ledger/buffered_tokens": buffered_tokens,
             "ledger/in_flight_tokens": in_flight_tokens,
-            "ledger/generated_tokens": generated_tokens,
         }
 
 
@@ -212,9 +218,13 @@ class Trainer:
         self._build()
         self._stop = threading.Event()
         self._resumed = False
+        self._checkpoint_version = 0
+        """The policy version the last checkpoint serves: kept on disk whatever ``keep_versions`` says."""
         if resume and (self.run_dir / "checkpoint" / "state.json").is_file():
             self._load_checkpoint()
             self._resumed = True
+        elif resume:  # killed before its first checkpoint: it starts over
+            self._truncate_metrics(-1)
 
     # -- validation -----------------------------------------------------------------------------------------
     def _make_algorithm(self, config: TrainConfig) -> Algorithm:
@@ -235,6 +245,12 @@ class Trainer:
             raise ConfigError(f"unknown backend {c.backend!r}; valid: 'hf', 'vllm'")
         if c.init not in ("sft", "base"):
             raise ConfigError(f"init must be 'sft' or 'base', got {c.init!r}")
+        from streamrl.agents.models import resolve_model
+
+        try:
+            resolve_model(c.model)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
         for name in ("updates", "batch", "num_envs", "threads", "keep_versions"):
             if getattr(c, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(c, name)}")
@@ -317,7 +333,10 @@ class Trainer:
             context=self.spec.context,
         )
 
-        probe_env = make_env(c.env, self.spec.train_split)
+        try:
+            probe_env = make_env(c.env, self.spec.train_split, **dict(c.env_kwargs))
+        except TypeError as exc:
+            raise ConfigError(f"env_kwargs={dict(c.env_kwargs)} do not fit the {c.env} env: {exc}") from exc
         task_ids = task_ids_of(probe_env, c.env)
         probe_env.close()
         if c.tasks is not None:
@@ -336,7 +355,7 @@ class Trainer:
         self.task_ids = task_ids
         self.tracker = EventTracker(task_ids, self.algorithm.tracker_config(derive_seed(c.seed, "tracker")))
         workers = VectorEnvConfig(backend=c.env_workers)
-        env_kwargs = dict(self.spec.env_kwargs)
+        env_kwargs = {**self.spec.env_kwargs, **c.env_kwargs}
         self.venv = StreamingVectorEnv.from_env(
             self.spec.gym_id, c.num_envs, config=workers, split=self.spec.train_split, **env_kwargs
         )
@@ -386,7 +405,7 @@ class Trainer:
 
         if not self.config.eval_episodes or not self.config.eval_every:
             return []
-        env = make_env(self.config.env, self.eval_split)
+        env = make_env(self.config.env, self.eval_split, **dict(self.config.env_kwargs))
         ids = task_ids_of(env, self.config.env)
         env.close()
         rng = random.Random(derive_seed(self.config.seed, "eval-tasks"))
@@ -411,7 +430,7 @@ class Trainer:
         """Train for ``config.updates`` updates (from where a resumed run left off); returns a summary."""
         c = self.config
         (self.run_dir / "config.json").write_text(json.dumps(c.to_dict(), indent=2, sort_keys=True))
-        self._install_signals()
+        previous_handlers = self._install_signals()
         writer = self._tensorboard()
         bar = self._progress_bar()
         try:
@@ -442,6 +461,8 @@ class Trainer:
                     self._save_checkpoint()
             self._save_checkpoint()
         finally:
+            for sig, handler in previous_handlers.items():  # a finished run no longer owns Ctrl-C
+                signal.signal(sig, handler)
             if bar is not None:
                 bar.close()
             if writer is not None:
@@ -490,6 +511,12 @@ class Trainer:
         if jobs:
             self.rollouts.start(jobs)
 
+    def _poll(self, timeout: float | None) -> None:
+        before = self.rollouts.generated_tokens
+        finished = self.rollouts.poll(timeout=timeout)
+        self.ledger.generated_tokens += self.rollouts.generated_tokens - before
+        self._receive(finished)
+
     def _receive(self, finished: Sequence[Finished]) -> None:
         for item in finished:
             self.ledger.finished += 1
@@ -506,14 +533,17 @@ class Trainer:
             self.algorithm.on_complete(self.tracker, episode)
             rule = self.algorithm.config.batch_rule
             if rule == "current-version" and episode.ticket.version < self.tracker.version:
-                self.ledger.dropped_stale += 1
-                self.ledger.dropped_tokens += tokens
+                self._drop_stale([episode])
                 continue
             if episode.group is not None:
                 self.groups.setdefault(episode.group, []).append(episode)
                 self._close_group(episode.group)
             else:
                 self.buffer.append(episode)
+
+    def _drop_stale(self, episodes: Sequence[Episode]) -> None:
+        self.ledger.dropped_stale += len(episodes)
+        self.ledger.dropped_tokens += sum(e.num_action_tokens for e in episodes)
 
     def _close_group(self, group: int) -> None:
         members = self.groups.get(group, [])
@@ -571,7 +601,7 @@ class Trainer:
                     f"{self._capacity()}): the batch rule cannot fill a batch of {self.config.batch}"
                 )
             started = time.perf_counter()
-            self._receive(self.rollouts.poll(timeout=None))
+            self._poll(timeout=None)
             self.generator_busy += time.perf_counter() - started
         return None
 
@@ -588,7 +618,7 @@ class Trainer:
             while not future.done():
                 self._dispatch()
                 if self.rollouts.running:
-                    self._receive(self.rollouts.poll(timeout=0.05))
+                    self._poll(timeout=0.05)
                 else:
                     time.sleep(0.01)
             metrics = future.result()
@@ -599,6 +629,10 @@ class Trainer:
         published = None
         if self.updates % self.algorithm.config.publish_every == 0:
             published = self._publish()
+            if self.algorithm.config.batch_rule == "current-version":
+                # finished under the superseded version but not taken by its batches: filed, never trained
+                self._drop_stale([e for e in self.buffer if e.ticket.version < self.tracker.version])
+                self.buffer = [e for e in self.buffer if e.ticket.version >= self.tracker.version]
         self.learner_busy += time.perf_counter() - started
         return self._row(batch, metrics, staleness, published)
 
@@ -633,12 +667,20 @@ class Trainer:
                 old.name.startswith("v")
                 and old.name[1:].isdigit()
                 and int(old.name[1:]) <= version - self.config.keep_versions
+                and int(old.name[1:]) != self._checkpoint_version  # a resume serves it again
             ):
                 shutil.rmtree(old, ignore_errors=True)
         return version
 
     def _serve(self, policy_dir: Path, version: int) -> None:
         """Load a published policy into the rollout backend: an adapter, or full weights into its own copy."""
+        if not policy_dir.is_dir():
+            published = (
+                sorted(p.name for p in policy_dir.parent.glob("v*")) if policy_dir.parent.is_dir() else []
+            )
+            raise PublishError(
+                f"policy version v{version} is missing: no {policy_dir} (on disk: {published})"
+            )
         if self.learner.finetune == "lora":
             self.backend.set_adapter(str(policy_dir), version)
             return
@@ -679,6 +721,8 @@ class Trainer:
             "batch/tool_calls": sum(sum(turn.tool_calls for turn in t.turns) for t in trajs) / len(trajs),
             "batch/invalid_action_rate": invalid / max(1, sum(turns)),
             "staleness": {str(k): v for k, v in sorted(staleness.items())},
+            "batch/task_ids": [e.task_id for e in batch],
+            "batch/dispatch_indices": [e.ticket.dispatch_index for e in batch],
             **{f"learner/{k}": v for k, v in metrics.items()},
             "time/elapsed_s": elapsed,
             "time/generator_busy_s": self.generator_busy,
@@ -737,7 +781,7 @@ class Trainer:
             self.config.num_envs,
             config=VectorEnvConfig(backend=self.config.env_workers),
             split=split,
-            **dict(self.spec.env_kwargs),
+            **{**self.spec.env_kwargs, **self.config.env_kwargs},
         )
         sampling = replace(
             self.sampling, temperature=temperature, seed=derive_seed(self.config.seed, seed_tag)
@@ -798,7 +842,9 @@ class Trainer:
                 self.config.temperature,
                 self.sampling.max_new_tokens,
                 self.config.seed,
+                dict(self.config.env_kwargs),
             ],
+            sort_keys=True,
         )
         name = hashlib.sha256(key.encode()).hexdigest()[:20]
         return cache_root() / "offline_values" / f"{self.model_dir.name}-{self.config.env}-{name}.json"
@@ -826,16 +872,20 @@ class Trainer:
         }
 
     # -- checkpoints -------------------------------------------------------------------------------------------
-    def _install_signals(self) -> None:
+    def _install_signals(self) -> dict[int, Any]:
+        """SIGINT/SIGTERM stop the run after the current step (and checkpoint); returns the handlers replaced."""
         if threading.current_thread() is not threading.main_thread():
-            return
+            return {}
 
         def stop(signum: int, frame: Any) -> None:
             self.log(f"signal {signum}: checkpointing after the current step")
             self._stop.set()
 
+        previous: dict[int, Any] = {}
         for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.getsignal(sig)
             signal.signal(sig, stop)
+        return previous
 
     def _save_checkpoint(self) -> None:
         final = self.run_dir / "checkpoint"
@@ -854,7 +904,10 @@ class Trainer:
         state = {
             "updates": self.updates,
             "tracker": self.tracker.state_dict(),
-            "ledger": asdict(self.ledger),
+            "ledger": {
+                **asdict(self.ledger),
+                "generated_tokens": self.ledger.generated_tokens - self.rollouts.running_tokens(),
+            },
             "buffer": [self._episode_json(e) for e in self.buffer],
             "groups": {
                 str(g): [self._episode_json(e) for e in members] for g, members in self.groups.items()
@@ -875,6 +928,7 @@ class Trainer:
             os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
+        self._checkpoint_version = self.tracker.version
 
     @staticmethod
     def _episode_json(episode: Episode) -> dict[str, Any]:
@@ -910,12 +964,31 @@ class Trainer:
         ]
         self.generator_busy = state["time"]["generator_busy"]
         self.learner_busy = state["time"]["learner_busy"]
+        self._truncate_metrics(self.updates)
         version = int(state["backend_version"])
+        self._checkpoint_version = version
         if version > 0:  # serve the published policy of the checkpointed version, not the learner's weights
             self._serve(self.run_dir / "policy" / f"v{version}", version)
         self.log(
             f"resumed {self.run_dir} at update {self.updates} (version {version}), {len(self.queued)} tickets requeued, {len(self.buffer)} episodes buffered"
         )
+
+    def _truncate_metrics(self, updates: int) -> None:
+        """Drop the metrics rows of updates after ``updates`` (and a row cut by a kill): they are run again."""
+        path = self.run_dir / "metrics.jsonl"
+        if not path.is_file():
+            return
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if int(row.get("update", 0)) <= updates:
+                kept.append(line + "\n")
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
 
 
 def train(
