@@ -99,10 +99,11 @@ from streamrl.agents.base import Agent, EpisodeId, Generation, SamplingParams
 from streamrl.agents.hf_backend import HFBackend, HFBackendConfig, selected_token_logprobs
 from streamrl.agents.llm_agent import ContextPolicy, LLMAgent
 from streamrl.agents.lora import LoRAConfig, wrap_lora
-from streamrl.agents.models import build_once, cache_root, load_model, load_tokenizer, resolve_model
+from streamrl.agents.models import build_once, load_model, load_tokenizer, resolve_model
 from streamrl.agents.prompts import ALFWorldPrompt, MathTIRPrompt, PromptFormat
 from streamrl.agents.rollout import play_episode
 from streamrl.agents.trajectory import TokenSequence, Trajectory, finalize
+from streamrl.envs.cache import cache_root
 
 _RECIPE = 4  # bump when the data rendering or training loop changes
 
