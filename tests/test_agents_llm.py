@@ -12,11 +12,12 @@ from hypothesis import strategies as st
 from streamrl.agents.base import Agent, SamplingParams
 from streamrl.agents.hf_backend import HFBackend
 from streamrl.agents.llm_agent import ContextPolicy, LLMAgent
-from streamrl.agents.prompts import ALFWorldPrompt, MathTIRPrompt, boxed_answer
+from streamrl.agents.prompts import ALFWorldPrompt, MathTIRPrompt
 from streamrl.agents.random_agent import RandomTextAgent
 from streamrl.agents.rollout import play_episode
 from streamrl.agents.sft import task_ids_of
 from streamrl.agents.trajectory import Trajectory, finalize
+from streamrl.envs.math_answer import extract_boxed
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +173,7 @@ def test_parsers() -> None:
     code = math.parse_action("Compute.\n```python\nprint(2)\n```\n```output\n3\n```", {})
     assert code.valid and code.action.endswith("```") and "output" not in code.action
     assert math.parse_action("so \\boxed{\\frac{1}{2}}", {}).valid
-    assert boxed_answer("a \\boxed{1} then \\boxed{\\frac{3}{4}}") == "\\frac{3}{4}"
+    assert extract_boxed("a \\boxed{1} then \\boxed{\\frac{3}{4}}") == "\\frac{3}{4}"
     assert not math.parse_action("I think it is 4", {}).valid
 
 
