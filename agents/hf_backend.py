@@ -296,17 +296,17 @@ class HFBackend:
         self._check_open()
         model = self._model
         with torch.inference_mode():
-            if not isinstance(model, PeftModel) or not (
-                self._base_weights or self._adapter_name not in (None, model.active_adapter)
-            ):
-                yield  # the model as it is
+            if not isinstance(model, PeftModel):
+                yield
             elif self._base_weights:
                 with self._callers_state_kept(), model.disable_adapter():
                     yield
-            else:
-                with self._callers_state_kept():
+            elif self._adapter_name is not None and self._adapter_name != model.active_adapter:
+                with self._callers_state_kept():  # the backend's adapter in the caller's model
                     model.set_adapter(self._adapter_name, inference_mode=True)
                     yield
+            else:
+                yield  # the model's active adapter is the one to serve
 
     # -- scoring ------------------------------------------------------------------------------------------
 

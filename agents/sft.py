@@ -102,7 +102,7 @@ from streamrl.agents.lora import LoRAConfig, wrap_lora
 from streamrl.agents.models import build_once, cache_root, load_model, load_tokenizer, resolve_model
 from streamrl.agents.prompts import ALFWorldPrompt, MathTIRPrompt, PromptFormat
 from streamrl.agents.rollout import play_episode
-from streamrl.agents.trajectory import TokenSequence, Trajectory, finalize
+from streamrl.agents.trajectory import TokenSequence, Trajectory
 
 _RECIPE = 4  # bump when the data rendering or training loop changes
 
@@ -300,7 +300,9 @@ class TeacherForcedBackend:
     def adapter_version(self) -> int:
         return 0
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int] | None = None
+    ) -> list[Generation]:
         if len(self.queue) != len(prompts):
             raise RuntimeError(f"{len(prompts)} prompts but {len(self.queue)} forced completions queued")
         out = [Generation(list(ids), [0.0] * len(ids), "stop") for ids in self.queue]
@@ -345,7 +347,11 @@ class TeacherForcedAgent:
         self.expert = expert
         self.backend = TeacherForcedBackend(tokenizer)
         self.llm = LLMAgent(
-            self.backend, tokenizer, prompt_format, SamplingParams(max_new_tokens=4096), context
+            self.backend,
+            prompt_format=prompt_format,
+            tokenizer=tokenizer,
+            sampling=SamplingParams(max_new_tokens=4096),
+            context=context,
         )
         eos = tokenizer.eos_token_id
         self._eos = [int(eos)] if eos is not None else []
@@ -430,7 +436,8 @@ def expert_trajectories(
             )
             for task_id in source_ids:
                 result = play_episode(source_env, agent, options={"task_id": task_id})
-                trajectory = finalize(result)
+                trajectory = result.record
+                assert trajectory is not None  # a TeacherForcedAgent keeps a record
                 if trajectory.won and "context_exhausted" not in trajectory.info:
                     out.append(trajectory)
     finally:
