@@ -8,8 +8,8 @@ token record a learner needs (``None`` for agents that keep none, such as script
 A *generation backend* is token ids in, token ids and per-token log-probs out; LoRA adapters are
 published to it by version with ``set_adapter``. See ``streamrl.agents.hf_backend`` (embedded default)
 and ``streamrl.agents.vllm_backend`` (fast path). What both backends check and derive the same way lives
-here: ``check_score_inputs`` and ``request_seeds``; ``derive_seed`` is how an agent turns one run seed into
-a seed per (episode, turn).
+here: ``check_score_inputs`` and ``request_seeds``. ``derive_seed`` makes stable seeds from a run seed, e.g. the
+one an ``LLMAgent`` samples each (episode, turn) with.
 """
 
 from __future__ import annotations
@@ -160,12 +160,13 @@ def request_seeds(
     return [params.seed + i for i in range(count)]
 
 
-def derive_seed(run_seed: int, episode_id: EpisodeId, turn: int) -> int:
-    """A seed in ``[0, 2**62)`` for turn ``turn`` of episode ``episode_id`` of a run seeded ``run_seed``.
+def derive_seed(*parts: object) -> int:
+    """A stable 31-bit seed from ``parts``, e.g. (run seed, purpose, index) or (run seed, episode id, turn).
 
-    A hash (BLAKE2b) of ``repr((run_seed, episode_id, turn))``: the same triple gives the same seed in any
-    process (unlike ``hash()``, which is salted per process for strings), different triples give unrelated
-    seeds. Stable for episode ids made of ints, strings and tuples of them (whose ``repr`` is their value).
+    A hash (BLAKE2b) of ``repr(parts)``: the same parts give the same seed in any process (unlike ``hash()``,
+    which is salted per process for strings), different parts give unrelated seeds. Stable for parts made of
+    ints, strings and tuples of them (whose ``repr`` is their value). 31 bits: valid for every consumer
+    (numpy, gymnasium, torch, vLLM).
     """
-    digest = hashlib.blake2b(repr((run_seed, episode_id, turn)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") >> (64 - SEED_BITS)
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF

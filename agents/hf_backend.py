@@ -47,6 +47,8 @@ from streamrl.agents.base import (
     check_score_inputs,
     request_seeds,
 )
+from streamrl.agents.batch import pad_right
+from streamrl.agents.logprobs import position_ids_from_mask, token_logprobs
 from streamrl.agents.models import load_tokenizer, resolve_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -85,46 +87,6 @@ class HFBackendConfig:
         if device.type == "cuda" and torch.cuda.is_bf16_supported():
             return torch.bfloat16
         return torch.float32
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that skip padding (left or right): ``cumsum(mask) - 1``, clamped at 0 on pad slots."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """``out[b, t] = log p(input_ids[b, t+1] | input_ids[b, :t+1])`` in fp32, shape ``[B, T-1]``.
-
-    Works for left or right padding (positions from the mask); values on pad positions are meaningless and
-    must be masked by the caller. Differentiable: the learner calls it with grad, ``score`` without.
-    """
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-    )
-    logits = out.logits[:, :-1].float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-
-
-def selected_token_logprobs(
-    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, select: torch.Tensor
-) -> torch.Tensor:
-    """``token_logprobs(...)[select]`` without computing logits anywhere else, shape ``[select.sum()]``.
-
-    ``select`` is a bool ``[B, T-1]`` mask over predicted positions (e.g. action tokens, shifted by one). The
-    vocabulary projection and log-softmax -- most of the cost and memory of a small model with a large vocabulary
-    -- run only on the selected hidden states. Differentiable; works through a peft wrapper.
-    """
-    hidden = model.get_decoder()(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-    ).last_hidden_state
-    chosen = hidden[:, :-1][select]
-    logits = model.get_output_embeddings()(chosen).float()
-    targets = input_ids[:, 1:][select]
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
 
 
 def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -317,12 +279,7 @@ class HFBackend:
         with self._lock, self._serving():
             for start in range(0, len(sequences), self.config.max_batch_size):
                 chunk = sequences[start : start + self.config.max_batch_size]
-                width = max(len(s) for s in chunk)
-                ids = torch.full((len(chunk), width), self.pad_token_id, dtype=torch.long)
-                mask = torch.zeros((len(chunk), width), dtype=torch.long)
-                for row, seq in enumerate(chunk):  # right padding: pads never precede a real token
-                    ids[row, : len(seq)] = torch.as_tensor(list(seq), dtype=torch.long)
-                    mask[row, : len(seq)] = 1
+                ids, mask = pad_right(chunk, self.pad_token_id)
                 lp = token_logprobs(self._model, ids.to(self.device), mask.to(self.device)).cpu()
                 for row, seq in enumerate(chunk):
                     p = prompt_lengths[start + row]

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from streamrl.agents.hf_backend import token_logprobs
+from streamrl.agents.logprobs import token_logprobs
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,7 @@ class TinyModelConfig:
     """Shape and seeds of the ``tiny`` model. Every field is part of the cache key.
 
     Defaults give ~2.1 M parameters (tied embeddings): big enough to behaviour-clone the expert agents in a
-    few CPU minutes (``streamrl.agents.sft``), small enough for ~300 tokens/s generation on one core.
+    few CPU minutes (``streamrl.algorithms.sft``), small enough for ~300 tokens/s generation on one core.
     """
 
     vocab_size: int = 4096
@@ -158,7 +158,7 @@ def build_once(target: Path, build: Callable[[Path], None]) -> Path:
     """Return ``target``, first calling ``build(tmp_dir)`` and renaming ``tmp_dir`` to ``target`` if it is missing.
 
     A lock file beside ``target`` serializes concurrent builders (threads or processes); a failed build
-    leaves nothing behind. Used for models here and for SFT checkpoints in ``streamrl.agents.sft``.
+    leaves nothing behind. Used for models here and for SFT checkpoints in ``streamrl.algorithms.sft``.
     """
     if target.is_dir():
         return target

@@ -1,6 +1,6 @@
-"""Play whole episodes of a text env with an agent, one env at a time.
+"""Play whole episodes of a text env with an agent: one at a time, or a batch of envs in lock-step.
 
-This is the plain sequential loop (demos, tests, expert data, evaluation on one process). Streaming,
+These are the plain loops (demos, tests, expert data, evaluation on one process). Streaming,
 many-episode rollouts go through ``streamrl.envs.vector`` and the runtime in ``streamrl.algorithms``.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,3 +114,52 @@ def play_episode(
         record=record,
         seconds=time.perf_counter() - start,
     )
+
+
+@dataclass(frozen=True)
+class LockstepResult:
+    """What ``play_lockstep`` counted: episodes played and won, env steps, steps whose action was valid
+    (``info["action_valid"]``, true when the env does not say), and the seconds the play took."""
+
+    episodes: int
+    wins: int
+    steps: int
+    valid_steps: int
+    seconds: float
+
+    @property
+    def success_rate(self) -> float:
+        """Wins per episode (0 when nothing was played)."""
+        return self.wins / max(1, self.episodes)
+
+
+def play_lockstep(agent: Agent, envs: Sequence[gym.Env], task_ids: Sequence[str]) -> LockstepResult:
+    """Play ``task_ids`` in order, ``len(envs)`` episodes at a time in lock-step, and count the wins.
+
+    Each round resets one env per task (``options={"task_id": ...}``), then asks ``agent`` for the actions
+    of all live episodes in one ``act`` call per turn (one batched generation for an ``LLMAgent``) until every
+    episode of the round has ended. Episode ids are the env slots ``0 .. len(envs) - 1``. The envs stay open.
+    Used by evaluation and by SFT model selection, so both count the same way.
+    """
+    if not envs:
+        raise ValueError("play_lockstep needs at least one env")
+    wins, steps, valid, started = 0, 0, 0, time.perf_counter()
+    for start in range(0, len(task_ids), len(envs)):
+        batch = task_ids[start : start + len(envs)]
+        live: dict[int, tuple[str, dict[str, Any]]] = {}
+        for slot, task_id in enumerate(batch):
+            live[slot] = envs[slot].reset(options={"task_id": task_id})
+        while live:
+            slots = sorted(live)
+            actions = agent.act([live[s][0] for s in slots], [live[s][1] for s in slots], slots)
+            for slot, action in zip(slots, actions, strict=True):
+                obs, _, terminated, truncated, info = envs[slot].step(action)
+                steps += 1
+                valid += bool(info.get("action_valid", True))
+                if terminated or truncated:
+                    wins += bool(info.get("won", False))
+                    agent.end_episode(slot)
+                    del live[slot]
+                else:
+                    live[slot] = (obs, info)
+    return LockstepResult(len(task_ids), wins, steps, valid, time.perf_counter() - started)

@@ -192,7 +192,7 @@ def write_adapter_probe(
     """Store the expected log-probs of ``token_ids[1:]`` under the adapter saved in ``adapter_dir``.
 
     The publisher (the learner, which holds the adapted model) computes them, e.g. with
-    ``streamrl.agents.hf_backend.token_logprobs``, so a GPU backend can verify the adapter without a second
+    ``streamrl.agents.logprobs.token_logprobs``, so a GPU backend can verify the adapter without a second
     model. Returns the file's path.
     """
     if len(logprobs) != len(token_ids) - 1:

@@ -23,6 +23,7 @@ from streamrl.algorithms.advantages import (
     weighted_standardize,
 )
 from streamrl.algorithms.losses import (
+    LossAggregation,
     PolicyLoss,
     PPOTokenTerms,
     RolloutIS,
@@ -35,6 +36,7 @@ from streamrl.algorithms.losses import (
     ppo_clip_token_loss,
     ppo_policy_loss,
     rollout_importance_weights,
+    sft_loss,
 )
 from streamrl.algorithms.tracker import (
     EventTracker,
@@ -54,6 +56,7 @@ __all__ = [
     "WHITEN_EPS",
     "EventTracker",
     "GAEResult",
+    "LossAggregation",
     "PPOTokenTerms",
     "PolicyLoss",
     "Receipt",
@@ -80,6 +83,7 @@ __all__ = [
     "ppo_policy_loss",
     "rollout_importance_weights",
     "sampling_weights",
+    "sft_loss",
     "spo_retention",
     "token_mean_residual",
     "token_measure_normalize",

@@ -7,16 +7,21 @@ diagnostics, computed over the mask tokens of that call and detached.
 Sections refer to ``shared/reference/algorithms.md``: 1.1 PPO-clip + Dual-Clip (verl
 ``compute_policy_loss_vanilla``; Ye et al. 2020), 1.2 aggregation (verl ``agg_loss``, TRL ``loss_type``),
 1.3 KL estimators (Schulman; verl ``kl_penalty``), 4.4/6 rollout importance weights (SPO++; verl
-``rollout_is``; AReaL decoupled PPO), 5.1 SAO's DIS, 5.2 clipped value loss (verl).
+``rollout_is``; AReaL decoupled PPO), 5.1 SAO's DIS, 5.2 clipped value loss (verl). ``sft_loss``, the
+behaviour-cloning loss of the SFT cold start, takes the model and token sequences rather than per-token tensors.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Any, Literal, get_args
 
 import torch
+from streamrl.agents.batch import collate
+from streamrl.agents.logprobs import selected_token_logprobs
+from streamrl.agents.trajectory import TokenSequence
 from torch import Tensor
 
 LOG_RATIO_CLAMP = 20.0
@@ -32,6 +37,7 @@ ISMode = Literal["truncate", "mask"]
 ISLevel = Literal["token", "sequence"]
 DISForm = Literal["ratio", "logp"]
 
+_AGG_MODES: tuple[str, ...] = get_args(AggMode)
 _KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 
 
@@ -66,16 +72,9 @@ def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def aggregate_loss(
-    token_loss: Tensor,
-    mask: Tensor,
-    mode: AggMode = "token-mean",
-    *,
-    num_tokens: float | None = None,
-    num_sequences: int | None = None,
-    max_tokens: int | None = None,
-) -> Tensor:
-    """Reduce a per-token loss (B, T) to a scalar over ``mask`` (verl ``agg_loss``; spec 1.2, oracle T12).
+@dataclass(frozen=True)
+class LossAggregation:
+    """How a per-token loss becomes a scalar: the mode and the counts it divides by (spec 1.2, oracle T12).
 
     ===========================  =============================================================
     ``token-mean``               sum m l / N_tok   (DAPO token-level; TRL ``bnpo``/``dapo``; SPO, SPO++)
@@ -85,37 +84,68 @@ def aggregate_loss(
     ``dr-grpo``                  sum m l / (B T_max)   (TRL ``loss_type="dr_grpo"``)
     ===========================  =============================================================
 
-    For micro-batching pass the *whole update batch's* ``num_tokens`` (N_tok), ``num_sequences`` (B) and
-    ``max_tokens`` (T_max, e.g. the max response length); the micro-batch values then sum to the full-batch
-    value. Without them the local counts are used (verl's per-micro-batch behaviour). SPO++ needs the global
-    token count for its zero-mean guarantee [INF, spec 4.3]. A trajectory with no mask tokens contributes 0
-    to ``seq-mean-token-mean`` (it still counts in B).
+    Built once per update with :meth:`of_batch` from the *whole update batch's* mask, it carries N_tok, B and
+    T_max to every micro-batch, so the micro-batch losses sum to the full-batch loss and no micro-batch can
+    silently divide by its own token count (SPO++'s zero-mean guarantee needs the global count, spec 4.3).
+    With no counts (``LossAggregation("token-mean")``) the local counts of each call are used -- verl's
+    per-micro-batch behaviour, right only when the call sees the whole batch.
+    """
+
+    mode: AggMode = "token-mean"
+    num_tokens: float | None = None
+    """N_tok: mask tokens of the whole update batch (``token-mean``)."""
+    num_sequences: int | None = None
+    """B: sequences of the whole update batch (the ``seq-mean-*`` and ``dr-grpo`` modes)."""
+    max_tokens: int | None = None
+    """T_max: e.g. the max response length (``seq-mean-token-sum-norm``, ``dr-grpo``)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in _AGG_MODES:
+            raise ValueError(f"unknown aggregation mode {self.mode!r}; valid: {', '.join(_AGG_MODES)}")
+        if self.num_tokens is not None and self.num_tokens <= 0:
+            raise ValueError(f"num_tokens must be > 0, got {self.num_tokens}")
+        for name in ("num_sequences", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+    @classmethod
+    def of_batch(
+        cls, mask: Tensor, mode: AggMode = "token-mean", *, max_tokens: int | None = None
+    ) -> LossAggregation:
+        """The counts of a whole update batch with loss mask ``mask`` (B, T); ``max_tokens`` defaults to T."""
+        return cls(
+            mode,
+            num_tokens=max(float(mask.sum()), 1.0),
+            num_sequences=int(mask.shape[0]),
+            max_tokens=int(mask.shape[1]) if max_tokens is None else max_tokens,
+        )
+
+
+def aggregate_loss(token_loss: Tensor, mask: Tensor, agg: LossAggregation | None = None) -> Tensor:
+    """Reduce a per-token loss (B, T) to a scalar over ``mask`` as ``agg`` says (default: local token-mean).
+
+    A trajectory with no mask tokens contributes 0 to ``seq-mean-token-mean`` (it still counts in B).
     """
     _check_same_shape(mask, token_loss=token_loss)
+    agg = agg or LossAggregation()
     m = mask.to(token_loss.dtype)
     masked = token_loss * m
-    batch = num_sequences if num_sequences is not None else mask.shape[0]
-    t_max = max_tokens if max_tokens is not None else mask.shape[1]
+    batch = agg.num_sequences if agg.num_sequences is not None else mask.shape[0]
+    t_max = agg.max_tokens if agg.max_tokens is not None else mask.shape[1]
     if batch < 1 or t_max < 1:
         raise ValueError(f"num_sequences and max_tokens must be >= 1, got {batch} and {t_max}")
-    if mode == "token-mean":
-        if num_tokens is None:
+    if agg.mode == "token-mean":
+        if agg.num_tokens is None:
             return masked.sum() / m.sum().clamp(min=1)
-        if num_tokens <= 0:
-            raise ValueError(f"num_tokens must be > 0, got {num_tokens}")
-        return masked.sum() / num_tokens
-    if mode == "seq-mean-token-mean":
+        return masked.sum() / agg.num_tokens
+    if agg.mode == "seq-mean-token-mean":
         return (masked.sum(dim=-1) / m.sum(dim=-1).clamp(min=1)).sum() / batch
-    if mode == "seq-mean-token-sum":
+    if agg.mode == "seq-mean-token-sum":
         return masked.sum() / batch
-    if mode == "seq-mean-token-sum-norm":
+    if agg.mode == "seq-mean-token-sum-norm":
         return masked.sum() / t_max
-    if mode == "dr-grpo":
-        return masked.sum() / (batch * t_max)
-    raise ValueError(
-        f"unknown aggregation mode {mode!r}; valid: token-mean, seq-mean-token-mean, seq-mean-token-sum, "
-        "seq-mean-token-sum-norm, dr-grpo"
-    )
+    return masked.sum() / (batch * t_max)  # dr-grpo
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -273,10 +303,7 @@ def ppo_policy_loss(
     eps_high: float = 0.28,
     dual_clip_c: float | None = None,
     is_weights: Tensor | None = None,
-    agg: AggMode = "token-mean",
-    num_tokens: float | None = None,
-    num_sequences: int | None = None,
-    max_tokens: int | None = None,
+    agg: LossAggregation | None = None,
     logits: Tensor | None = None,
 ) -> PolicyLoss:
     """PPO-clip policy loss (:func:`ppo_clip_token_loss`) aggregated over ``mask`` (:func:`aggregate_loss`).
@@ -299,9 +326,7 @@ def ppo_policy_loss(
         _check_same_shape(mask, is_weights=is_weights)
         token_loss = token_loss * is_weights.detach()
         zero_weight = is_weights.detach() == 0
-    loss = aggregate_loss(
-        token_loss, mask, agg, num_tokens=num_tokens, num_sequences=num_sequences, max_tokens=max_tokens
-    )
+    loss = aggregate_loss(token_loss, mask, agg)
     return _policy_diagnostics(
         logp,
         old_logp,
@@ -403,10 +428,7 @@ def dis_policy_loss(
     eps_high: float = 5.0,
     form: DISForm = "ratio",
     renormalize: bool = False,
-    agg: AggMode = "token-mean",
-    num_tokens: float | None = None,
-    num_sequences: int | None = None,
-    max_tokens: int | None = None,
+    agg: LossAggregation | None = None,
     logits: Tensor | None = None,
 ) -> PolicyLoss:
     """SAO's DIS loss (SAO Eq. 1-3): maximize E_t[f(r_t) A_t log pi_theta], r_t = pi_theta / pi_rollout,
@@ -442,9 +464,7 @@ def dis_policy_loss(
     else:
         token_loss = -(accept * ratio * adv).detach() * logp
     agg_mask = mask * accept.to(mask.dtype) if renormalize else mask
-    loss = aggregate_loss(
-        token_loss, agg_mask, agg, num_tokens=num_tokens, num_sequences=num_sequences, max_tokens=max_tokens
-    )
+    loss = aggregate_loss(token_loss, agg_mask, agg)
     return _policy_diagnostics(
         logp,
         rollout_logp,
@@ -519,10 +539,7 @@ def clipped_value_loss(
     mask: Tensor,
     *,
     clip_range: float | None = 0.5,
-    agg: AggMode = "token-mean",
-    num_tokens: float | None = None,
-    num_sequences: int | None = None,
-    max_tokens: int | None = None,
+    agg: LossAggregation | None = None,
 ) -> ValueLoss:
     """verl's clipped value loss 1/2 agg(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)).
 
@@ -541,9 +558,7 @@ def clipped_value_loss(
         clipped_sq = (v_clipped - returns).square()
         token_loss = torch.maximum(unclipped, clipped_sq)
         clipped = (clipped_sq > unclipped).detach()
-    loss = 0.5 * aggregate_loss(
-        token_loss, mask, agg, num_tokens=num_tokens, num_sequences=num_sequences, max_tokens=max_tokens
-    )
+    loss = 0.5 * aggregate_loss(token_loss, mask, agg)
     with torch.no_grad():
         m = mask.to(values.dtype)
         ret_mean = _masked_mean(returns, mask)
@@ -561,3 +576,31 @@ def clipped_value_loss(
         explained_variance=explained,
         num_tokens=int(mask.sum()),
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Behaviour cloning (SFT cold start, ``streamrl.algorithms.sft``)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def sft_loss(
+    model: Any, batch: Sequence[TokenSequence], pad_token_id: int, context_weight: float = 0.0
+) -> tuple[torch.Tensor, int]:
+    """Behaviour-cloning loss: the mean negative log-likelihood of the action tokens of ``batch`` (``collate``d),
+    plus ``context_weight`` times the mean NLL of its other tokens (``SFTConfig.context_weight``); returns
+    (loss, action tokens). Each mean is over its tokens of the whole batch (token-mean aggregation).
+
+    Logits are computed only where they are needed (``selected_token_logprobs``): at the positions whose next
+    token is an action token, or at every position when ``context_weight`` is non-zero.
+    """
+    device = next(model.parameters()).device
+    padded = collate(batch, pad_token_id).to(device)
+    select = padded.target_mask if context_weight else padded.action_mask
+    lp = selected_token_logprobs(model, padded.input_ids, padded.attention_mask, select)
+    if not context_weight:
+        return -lp.mean(), int(lp.numel())
+    is_action = padded.action_mask[select]
+    loss = -lp[is_action].mean()
+    if not bool(is_action.all()):
+        loss = loss - context_weight * lp[~is_action].mean()
+    return loss, int(is_action.sum())

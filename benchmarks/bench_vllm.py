@@ -82,7 +82,7 @@ def _adapter(model_path: Path, directory: Path) -> Any:
 
 def _adapter_loads(backend: Any, workdir: Path) -> dict[str, Any]:
     import torch
-    from streamrl.agents.hf_backend import token_logprobs
+    from streamrl.agents.logprobs import token_logprobs
     from streamrl.agents.vllm_backend import probe_token_ids, write_adapter_probe
 
     plain, probed = workdir / "plain", workdir / "probed"

@@ -23,12 +23,11 @@ ALFWorld's two eval splits are nearly equal (140 seen / 134 unseen), so ours are
 the size at which a success rate has a standard error <= 6.3 points, while generating and verifying
 all 256 games stays within a few CPU minutes. Sizes are configurable (``GenerationConfig``).
 
-Command line: ``python -m streamrl.envs.alfworld_gen [--split train eval_seen eval_unseen] [--cache-dir D]``.
+Command line: ``streamrl alfworld-generate [--split train eval_seen eval_unseen] [--cache-dir D]``.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import functools
@@ -38,7 +37,6 @@ import multiprocessing
 import os
 import random
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -61,7 +59,6 @@ __all__ = [
     "build_game",
     "ensure_split",
     "generate_game",
-    "main",
     "parse_task_id",
     "split_dir",
 ]
@@ -583,34 +580,3 @@ def _generate_missing(
     if progress:
         print(f"{split}: generated {len(todo)} games in {time.perf_counter() - start:.1f}s -> {root / split}")
     return task_ids
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Generate the fixed splits into the cache (``python -m streamrl.envs.alfworld_gen --help``)."""
-    defaults = GenerationConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m streamrl.envs.alfworld_gen",
-        description="Generate the offline ALFWorld game splits into the streamrl cache.",
-    )
-    parser.add_argument("--split", nargs="+", choices=SPLITS, default=list(SPLITS), help="splits to generate")
-    parser.add_argument("--cache-dir", default=None, help="cache folder (default: $STREAMRL_CACHE/alfworld)")
-    for split in SPLITS:
-        parser.add_argument(
-            f"--{split.replace('_', '-')}-size",
-            type=int,
-            default=getattr(defaults, split),
-            dest=f"{split}_size",
-        )
-    parser.add_argument("--workers", type=int, default=None, help="processes (default: all CPUs)")
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    config = GenerationConfig(
-        **{s: getattr(args, f"{s}_size") for s in SPLITS}, cache_dir=args.cache_dir, workers=args.workers
-    )
-    for split in args.split:
-        paths = ensure_split(split, config, progress=True)
-        print(f"{split}: {len(paths)} games in {paths[0].parent.parent if paths else config.root() / split}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 from streamrl.agents.base import GenerationBackend, SamplingParams
-from streamrl.agents.hf_backend import HFBackend, sampling_logprobs, token_logprobs
+from streamrl.agents.hf_backend import HFBackend, sampling_logprobs
+from streamrl.agents.logprobs import token_logprobs
 from streamrl.agents.lora import LoRAConfig, reference_logprobs, save_adapter, wrap_lora
 from streamrl.agents.models import load_model, resolve_model
 
@@ -140,7 +141,7 @@ def test_lora_roundtrip_reference_and_backend_versions(tmp_path: Path) -> None:
 
 
 def test_selected_token_logprobs_equal_full_ones() -> None:
-    from streamrl.agents.hf_backend import selected_token_logprobs
+    from streamrl.agents.logprobs import selected_token_logprobs
 
     model = wrap_lora(load_model(resolve_model("tiny")))
     ids = torch.randint(0, 4000, (2, 30), generator=torch.Generator().manual_seed(0))

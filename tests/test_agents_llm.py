@@ -11,12 +11,12 @@ import streamrl.envs  # noqa: F401
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from streamrl.agents.base import Agent, SamplingParams, derive_seed
+from streamrl.agents.env_specs import task_ids_of
 from streamrl.agents.hf_backend import HFBackend
 from streamrl.agents.llm_agent import ContextPolicy, LLMAgent
 from streamrl.agents.prompts import ALFWorldPrompt, MathTIRPrompt, boxed_answer
 from streamrl.agents.random_agent import RandomTextAgent
 from streamrl.agents.rollout import play_episode
-from streamrl.agents.sft import task_ids_of
 from streamrl.agents.trajectory import Trajectory, TurnRecord
 
 

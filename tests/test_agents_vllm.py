@@ -32,7 +32,8 @@ import gymnasium as gym  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
 from streamrl.agents.base import GenerationBackend, SamplingParams  # noqa: E402
-from streamrl.agents.hf_backend import HFBackend, sampling_logprobs, token_logprobs  # noqa: E402
+from streamrl.agents.hf_backend import HFBackend, sampling_logprobs  # noqa: E402
+from streamrl.agents.logprobs import token_logprobs  # noqa: E402
 from streamrl.agents.lora import LoRAConfig, save_adapter, wrap_lora  # noqa: E402
 from streamrl.agents.models import load_model, resolve_model  # noqa: E402
 
