@@ -14,8 +14,8 @@ model's KV cache rather than ``model.generate``, because RL needs things ``gener
 - stop strings checked on the decoded tail of each row; the token that completes a stop string is kept (a
   token cannot be cut), ``Generation.extra["stop"]`` names what stopped it.
 
-Batches are left-padded with explicit position ids ``cumsum(attention_mask) - 1`` (platform.md 1.2), and rows
-that finish leave the batch (their KV-cache rows are dropped).
+Batches are left-padded with explicit position ids ``cumsum(attention_mask) - 1`` (docs/platform.md §2), and
+rows that finish leave the batch (their KV-cache rows are dropped).
 
 Adapters. ``set_adapter(path, v)`` loads the peft adapter saved at ``path`` under a name of the backend's own
 (``streamrl-v<v>-load<n>``) and serves it; the backend's previous loads are then deleted. ``set_adapter(None,
@@ -67,7 +67,7 @@ class HFBackendConfig:
     seed: int = 0
     """Seeds the backend's own generator, used for calls whose ``SamplingParams.seed`` is ``None``."""
     num_threads: int | None = None
-    """If set, ``torch.set_num_threads`` at construction (1 is best on a shared CPU box, platform.md 1.4)."""
+    """If set, ``torch.set_num_threads`` at construction (1 is best on a shared CPU box, docs/platform.md §3)."""
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -6,8 +6,8 @@ exactly: the learner's old log-probs and the backend's scores come from the same
 
 Conventions: inputs are ``[B, T]`` token ids with an attention mask (left or right padding); outputs are
 aligned with the *predicted* tokens, ``[B, T-1]``, where position ``t`` scores ``input_ids[:, t+1]``. Positions
-are ``cumsum(mask) - 1`` so padding never shifts the positions of real tokens (docs/platform.md). Log-probs are
-computed in fp32 whatever the model's dtype (bf16 log-softmax loses ~1e-2 nats).
+are ``cumsum(mask) - 1`` so padding never shifts the positions of real tokens (docs/platform.md §2).
+Log-probs are computed in fp32 whatever the model's dtype (bf16 log-softmax loses ~1e-2 nats).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Adapters are saved with ``PeftModel.save_pretrained`` (``adapter_config.json`` + ``adapter_model.safetensors``),
 the format a plain ``PeftModel.from_pretrained``, ``HFBackend.set_adapter`` and vLLM's ``LoRARequest`` load.
 The reference policy of a KL term is the same model with its adapter disabled -- no second copy of the
-weights in memory (platform.md 1.3). At initialization LoRA's ``B`` matrix is zero, so policy == reference.
+weights in memory (docs/platform.md §2). At initialization LoRA's ``B`` matrix is zero, so policy == reference.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@
 Built models live under ``$STREAMRL_CACHE/models`` (default ``~/.cache/streamrl/models``), one directory per
 name and build key; a build goes to a temporary directory under a file lock and is renamed into place, so
 concurrent processes build once and readers never see a half-written model. Measurements behind these
-choices: ``shared/reference/platform.md`` sections 1-2.
+choices: ``docs/platform.md`` §1.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ CHATML_TEMPLATE = (
 
 # Exactly Qwen2's pre-tokenizer regex (single digits isolated). transformers maps model_type=qwen2 to
 # Qwen2Tokenizer, which re-imposes this regex on load; training with another one would make the reloaded
-# tokenizer split text differently from the trained merges (platform.md 1.2).
+# tokenizer split text differently from the trained merges (docs/platform.md §1).
 QWEN2_PRETOKENIZE_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"

@@ -39,7 +39,7 @@ OpenMP runtime, KV-cache size and thread binding are read by those processes fro
 start; this class sets them (``VLLMBackendConfig.cpu_*``) only while it starts the engine, so that other
 subprocesses of the caller (env workers, the tool sandbox) do not inherit them. ``enforce_eager`` is on by
 default on CPU (there is no Triton/CUDA-graph path there). The same code runs CUDA vLLM on a GPU box, in
-bfloat16 by default. Measurements: ``shared/reference/platform.md`` section 3, ``benchmarks/bench_vllm.py``.
+bfloat16 by default. Why: ``docs/platform.md`` §4; measurements: ``benchmarks/bench_vllm.py``.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class VLLMBackendConfig:
     """How the vLLM engine is built. ``None`` fields take the value documented on each."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """"auto" = float32 on CPU (this CPU has no bf16 units; platform.md), bfloat16 on a GPU."""
+    """"auto" = float32 on CPU (no bf16 units on the CPUs measured; ``docs/platform.md`` §4), bfloat16 on a GPU."""
     max_model_len: int | None = None
     """Longest prompt + completion in tokens; ``None`` = the model's own context length."""
     max_num_seqs: int | None = None

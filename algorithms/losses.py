@@ -4,11 +4,12 @@ All per-token tensors are (B, T) and aligned with the action mask ``mask`` (1 = 
 Losses are *minimized* (loss = -objective). Every loss returns its scalar together with the standard
 diagnostics, computed over the mask tokens of that call and detached.
 
-Sections refer to ``shared/reference/algorithms.md``: 1.1 PPO-clip + Dual-Clip (verl
-``compute_policy_loss_vanilla``; Ye et al. 2020), 1.2 aggregation (verl ``agg_loss``, TRL ``loss_type``),
-1.3 KL estimators (Schulman; verl ``kl_penalty``), 4.4/6 rollout importance weights (SPO++; verl
-``rollout_is``; AReaL decoupled PPO), 5.1 SAO's DIS, 5.2 clipped value loss (verl). ``sft_loss``, the
-behaviour-cloning loss of the SFT cold start, takes the model and token sequences rather than per-token tensors.
+Sections (§), test oracles (T1-T13) and project decisions (D1-D18) cited below are those of
+``docs/reference.md``: §1.1 PPO-clip + Dual-Clip (verl ``compute_policy_loss_vanilla``; Ye et al. 2020),
+§1.2 aggregation (verl ``agg_loss``, TRL ``loss_type``), §1.3 KL estimators (Schulman; verl ``kl_penalty``),
+§4.4 and §6 rollout importance weights (SPO++; verl ``rollout_is``; AReaL decoupled PPO), §5.1 SAO's DIS,
+§5.2 clipped value loss (verl). ``sft_loss``, the behaviour-cloning loss of the SFT cold start, takes the
+model and token sequences rather than per-token tensors.
 """
 
 from __future__ import annotations
@@ -68,13 +69,13 @@ def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Aggregation (spec 1.2)
+# Aggregation (reference §1.2)
 # ---------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class LossAggregation:
-    """How a per-token loss becomes a scalar: the mode and the counts it divides by (spec 1.2, oracle T12).
+    """How a per-token loss becomes a scalar: the mode and the counts it divides by (reference §1.2, oracle T12).
 
     ===========================  =============================================================
     ``token-mean``               sum m l / N_tok   (DAPO token-level; TRL ``bnpo``/``dapo``; SPO, SPO++)
@@ -86,7 +87,7 @@ class LossAggregation:
 
     Built once per update with :meth:`of_batch` from the *whole update batch's* mask, it carries N_tok, B and
     T_max to every micro-batch, so the micro-batch losses sum to the full-batch loss and no micro-batch can
-    silently divide by its own token count (SPO++'s zero-mean guarantee needs the global count, spec 4.3).
+    silently divide by its own token count (SPO++'s zero-mean guarantee needs the global count, decision D5).
     With no counts (``LossAggregation("token-mean")``) the local counts of each call are used -- verl's
     per-micro-batch behaviour, right only when the call sees the whole batch.
     """
@@ -233,7 +234,7 @@ def _policy_diagnostics(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# PPO-clip with asymmetric bounds and Dual-Clip (spec 1.1, oracle T8)
+# PPO-clip with asymmetric bounds and Dual-Clip (reference §1.1, oracle T8)
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -257,7 +258,7 @@ def ppo_clip_token_loss(
     eps_high: float = 0.28,
     dual_clip_c: float | None = None,
 ) -> PPOTokenTerms:
-    """Per-token PPO-clip loss with decoupled bounds and optional Dual-Clip (spec 1.1; verl
+    """Per-token PPO-clip loss with decoupled bounds and optional Dual-Clip (reference §1.1; verl
     ``compute_policy_loss_vanilla``; Ye et al. 2020 arXiv 1912.09729)::
 
         r      = exp(clamp(logp - old_logp, -20, 20))
@@ -311,7 +312,7 @@ def ppo_policy_loss(
     ``advantages``: (B,) trajectory scalars (SPO, SPO++, GRPO) or (B, T) token advantages (GAE).
     ``is_weights``: detached per-token factors multiplied into the loss, e.g. the SPO++ rollout correction
     min(exp(old_logp - rollout_logp), 2) from :func:`rollout_importance_weights`, or AReaL's behaviour
-    weight with the PPO ratio taken against the proximal policy (spec 6, oracle T13). Tokens with weight 0
+    weight with the PPO ratio taken against the proximal policy (reference §6, oracle T13). Tokens with weight 0
     stay in the token-mean denominator (AReaL); to drop them from it, aggregate over the IS mask instead.
     SPO: c=10; SPO++: c=2 plus IS truncated at 2; both token-mean.
     """
@@ -341,7 +342,7 @@ def ppo_policy_loss(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Rollout importance weights (SPO++ spec 4.4; verl rollout_is; AReaL decoupled PPO, spec 6)
+# Rollout importance weights (reference §4.4, §6: SPO++; verl rollout_is; AReaL decoupled PPO)
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -351,7 +352,8 @@ class RolloutIS:
 
     In ``truncate`` mode ``mask`` is the input mask. In ``mask`` mode rejected tokens have weight 0 and are
     removed from ``mask``: aggregate over the returned mask to drop them from the denominator (verl), or over
-    the input mask to keep them there (AReaL). SPO++: take L_i for Eq. 6 from the mask the loss uses.
+    the input mask to keep them there (AReaL) (decision D17). SPO++: take L_i for Eq. 6 from the mask the
+    loss uses (decision D4).
     """
 
     weights: Tensor
@@ -370,9 +372,9 @@ def rollout_importance_weights(
     lower_threshold: float | None = None,
     level: ISLevel = "token",
 ) -> RolloutIS:
-    """Correct for the trainer/inference mismatch with w = pi_old / pi_rollout (spec 4.4, 6).
+    """Correct for the trainer/inference mismatch with w = pi_old / pi_rollout (reference §4.4, §6).
 
-    - ``truncate`` (SPO++: token level, threshold 2, [P]; verl semantics [INF]): w = min(w, threshold).
+    - ``truncate`` (SPO++: token level, threshold 2; verl's form, decision D6): w = min(w, threshold).
     - ``mask`` (verl mask mode; AReaL ``behav_imp_weight_cap``): tokens with w > threshold (or
       w < ``lower_threshold`` when given) are rejected: weight 0, removed from the returned mask.
     - ``level="sequence"``: one weight per trajectory, exp(sum_t m (old_logp - rollout_logp)), broadcast.
@@ -385,15 +387,15 @@ def rollout_importance_weights(
         raise ValueError(f"threshold must be > 0, got {threshold}")
     if lower_threshold is not None and not 0 <= lower_threshold < threshold:
         raise ValueError(f"lower_threshold must be in [0, threshold={threshold}), got {lower_threshold}")
-    if mode not in ("truncate", "mask"):
-        raise ValueError(f"mode must be 'truncate' or 'mask', got {mode!r}")
+    if mode not in get_args(ISMode):
+        raise ValueError(f"mode must be one of {get_args(ISMode)}, got {mode!r}")
+    if level not in get_args(ISLevel):
+        raise ValueError(f"level must be one of {get_args(ISLevel)}, got {level!r}")
     m = mask.to(old_logp.dtype)
     with torch.no_grad():
         log_w = (old_logp - rollout_logp) * m
         if level == "sequence":
             log_w = log_w.sum(dim=-1, keepdim=True).expand_as(log_w)
-        elif level != "token":
-            raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
         w = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         above = w > threshold
         if mode == "truncate":
@@ -414,7 +416,7 @@ def rollout_importance_weights(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# SAO: direct double-sided importance sampling (spec 5.1, oracle T9)
+# SAO: direct double-sided importance sampling (reference §5.1, oracle T9)
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -434,13 +436,13 @@ def dis_policy_loss(
     """SAO's DIS loss (SAO Eq. 1-3): maximize E_t[f(r_t) A_t log pi_theta], r_t = pi_theta / pi_rollout,
     f(x) = x on 1 - eps_l < x < 1 + eps_h (strict) and 0 outside. No pi_old, no PPO clip, sign-independent.
 
-    Gradient-correct forms [INF, spec 5.1], with the acceptance mask computed under no_grad in log space
+    Gradient-correct forms (decision D8), with the acceptance mask computed under no_grad in log space
     (log r > log(1 - eps_l) and log r < log(1 + eps_h)):
 
     - ``form="ratio"`` (default): loss_t = -mask_t r_t A_t, whose gradient is -mask_t A_t r_t grad log pi.
     - ``form="logp"``: loss_t = -(mask_t r_t A_t).detach() log pi_t: the same gradient.
 
-    Rejected tokens get exactly zero gradient. Aggregation [INF]: token-mean keeping rejected tokens in
+    Rejected tokens get exactly zero gradient. Aggregation (decision D9): token-mean keeping rejected tokens in
     the denominator (more rejection = weaker update); ``renormalize=True`` averages over accepted tokens only.
     eps: math/TIR 0.3 / 5.0 (accept 0.7 < r < 6), SWE 0.8 / 3.0.
     """
@@ -449,8 +451,8 @@ def dis_policy_loss(
         raise ValueError(
             f"need 0 < eps_low <= 1 and eps_high > 0, got eps_low={eps_low}, eps_high={eps_high}"
         )
-    if form not in ("ratio", "logp"):
-        raise ValueError(f"form must be 'ratio' or 'logp', got {form!r}")
+    if form not in get_args(DISForm):
+        raise ValueError(f"form must be one of {get_args(DISForm)}, got {form!r}")
     adv = _token_advantages(advantages, mask)
     log_ratio = logp - rollout_logp
     with torch.no_grad():
@@ -479,7 +481,7 @@ def dis_policy_loss(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# KL estimators (spec 1.3, oracle T11)
+# KL estimators (reference §1.3, oracle T11)
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -509,7 +511,7 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: KLKind = "k3") -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Clipped value loss (verl; SAO [INF] spec 5.2)
+# Clipped value loss (verl; SAO's form is decision D12, reference §5.2)
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -543,7 +545,7 @@ def clipped_value_loss(
 ) -> ValueLoss:
     """verl's clipped value loss 1/2 agg(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)).
 
-    The value-loss form of SAO is not stated; this is the spec's [INF] default (c = 0.5). ``clip_range=None``
+    SAO does not state its value loss; this is the project's choice, decision D12 (c = 0.5). ``clip_range=None``
     gives the plain 1/2 (V - R)^2. Only mask (action) tokens are trained, as SAO's skip-observation critic.
     """
     _check_same_shape(mask, values=values, old_values=old_values, returns=returns)

@@ -35,7 +35,7 @@ import textworld
 from alfworld.agents.environment.alfred_tw_env import AlfredDemangler
 from gymnasium import spaces
 from streamrl.envs import alfworld_gen, textworld_patches
-from streamrl.envs.alfworld_gen import SPLITS, TASK_TYPES, GenerationConfig
+from streamrl.envs.alfworld_gen import SPLITS, TASK_TYPES, GenerationConfig, Split
 from textworld.envs.pddl import PddlEnv
 
 textworld_patches.apply_patches()
@@ -53,7 +53,11 @@ __all__ = [
 TEXT_CHARSET: str = string.ascii_letters + string.digits + string.punctuation + " \n\t"
 MAX_TEXT_LENGTH = 16384
 # Our split names -> the folders of the official data (json_2.1.1/<folder>).
-OFFICIAL_SPLITS: dict[str, str] = {"train": "train", "eval_seen": "valid_seen", "eval_unseen": "valid_unseen"}
+OFFICIAL_SPLITS: dict[Split, str] = {
+    "train": "train",
+    "eval_seen": "valid_seen",
+    "eval_unseen": "valid_unseen",
+}
 _OPTION_KEYS = ("task_id",)
 
 
@@ -111,7 +115,7 @@ def release_engine(engine: AlfredEngine) -> None:
         _FREE_ENGINES.append(engine)
 
 
-def _find_official_games(data_path: str, split: str) -> tuple[Path, list[Path]]:
+def _find_official_games(data_path: str, split: Split) -> tuple[Path, list[Path]]:
     """The split folder and game files of an official ALFWorld split, filtered as
     ``AlfredTWEnv.collect_game_files`` does (no movable-receptacle or sliced tasks, only solvable games)."""
     root = Path(os.path.expandvars(data_path)).expanduser()
@@ -166,7 +170,7 @@ class ALFWorldEnv(gym.Env[str, str]):
 
     def __init__(
         self,
-        split: str = "train",
+        split: Split = "train",
         *,
         game_files: Sequence[str | os.PathLike[str]] | None = None,
         data_path: str | os.PathLike[str] | None = None,

@@ -1,6 +1,6 @@
 """Final-answer extraction (the last ``\\boxed{...}``) and mathematical equivalence for Math-TIR rewards.
 
-Checking order (reference/platform.md §4.3): exact match after normalization, then exact rational
+Checking order (docs/platform.md §6): exact match after normalization, then exact rational
 comparison of plain numbers (``0.5`` = ``1/2`` = ``\\frac{1}{2}`` = ``50\\%``), then math-verify
 (Hugging Face; LaTeX, sets, intervals), then sympy with a numeric tolerance. The symbolic stages run in a
 worker thread under a wall-clock bound: math-verify's own timeouts use ``signal.alarm``, which only works

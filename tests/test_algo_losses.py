@@ -1,14 +1,16 @@
-"""Losses against the spec oracles (T8, T9, T11, T12, T13) and their defining properties."""
+"""Losses against the oracles T8, T9, T11, T12, T13 of docs/reference.md and their defining properties."""
 
 from __future__ import annotations
 
 import math
+from typing import get_args
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from streamrl.algorithms.losses import (
+    AggMode,
     LossAggregation,
     aggregate_loss,
     clipped_value_loss,
@@ -248,6 +250,20 @@ def test_t12_aggregation(mode: str, expected: float) -> None:
 def test_aggregation_rejects_unknown_modes() -> None:
     with pytest.raises(ValueError, match="unknown aggregation mode"):
         LossAggregation("mean")  # type: ignore[arg-type]
+
+
+def test_closed_choices_follow_the_literal_types_and_errors_name_them() -> None:
+    """The accepted values are the Literal aliases' members; anything else is refused with the valid set."""
+    zeros, mask = torch.zeros(1, 2, dtype=F64), torch.ones(1, 2, dtype=F64)
+    assert list(get_args(AggMode)) == AGG_MODES
+    for mode in get_args(AggMode):
+        aggregate_loss(zeros, mask, LossAggregation(mode))
+    with pytest.raises(ValueError, match=r"mode must be one of \('truncate', 'mask'\), got 'clip'"):
+        rollout_importance_weights(zeros, zeros, mask, mode="clip")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"level must be one of \('token', 'sequence'\), got 'batch'"):
+        rollout_importance_weights(zeros, zeros, mask, level="batch")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"form must be one of \('ratio', 'logp'\), got 'prob'"):
+        dis_policy_loss(zeros, zeros, t([1.0]), mask, form="prob")  # type: ignore[arg-type]
 
 
 @settings(max_examples=40, deadline=None)
