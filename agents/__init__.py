@@ -1,6 +1,7 @@
 """streamrl.agents: who acts — the Agent protocol, LLM agents on Hugging Face transformers (embedded
-default) or vLLM, prompt formats and parsers, LoRA adapters, the model registry, scripted agents and the
-SFT cold start.
+default) or vLLM, prompt formats and parsers, LoRA adapters, the model registry, scripted agents, the env
+specs that bind an env to its prompt format and expert, and teacher-forced expert data (the SFT cold
+start's data; its training is ``streamrl.algorithms.sft``).
 
 Names are re-exported lazily, so ``import streamrl.agents`` does not import torch until a model-backed
 name is used.
@@ -41,15 +42,13 @@ _EXPORTS = {
     "Trajectory": "trajectory",
     "TokenSequence": "trajectory",
     "TurnRecord": "trajectory",
-    "finalize": "trajectory",
     "MathSolverAgent": "math_solver",
     "ALFWorldExpertAgent": "alfworld_agents",
     "ALFWorldRandomAgent": "alfworld_agents",
     "ALFWorldSearchAgent": "alfworld_agents",
     "RandomTextAgent": "random_agent",
-    "SFTConfig": "sft",
-    "sft_checkpoint": "sft",
-    "sft_config": "sft",
+    "EnvSpec": "env_specs",
+    "ENV_SPECS": "env_specs",
 }
 
 __all__ = sorted(_EXPORTS)

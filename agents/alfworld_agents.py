@@ -4,7 +4,7 @@
   to the hidden object), so its moves cannot be inferred from what an agent sees.
 - ``ALFWorldSearchAgent`` searches the room in a fixed order and decides every action from the task, the room
   description, the current observation and the admissible commands: slower, but imitable, and it recovers
-  from any state (the SFT cold start clones it, ``streamrl.agents.sft``).
+  from any state (the SFT cold start clones it, ``streamrl.agents.teacher_forcing``).
 - ``ALFWorldRandomAgent`` picks among the admissible commands.
 
 All read only what ``streamrl.envs.alfworld.ALFWorldEnv`` puts in ``info`` (``walkthrough``,

@@ -3,7 +3,7 @@
 Adapters are saved with ``PeftModel.save_pretrained`` (``adapter_config.json`` + ``adapter_model.safetensors``),
 the format a plain ``PeftModel.from_pretrained``, ``HFBackend.set_adapter`` and vLLM's ``LoRARequest`` load.
 The reference policy of a KL term is the same model with its adapter disabled -- no second copy of the
-weights in memory (platform.md 1.3). At initialization LoRA's ``B`` matrix is zero, so policy == reference.
+weights in memory (docs/platform.md §2). At initialization LoRA's ``B`` matrix is zero, so policy == reference.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from streamrl.agents.hf_backend import token_logprobs
+from streamrl.agents.logprobs import token_logprobs
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class LoRAConfig:
     """Scale numerator: the update is multiplied by ``alpha / rank``."""
     dropout: float = 0.0
     """Dropout on the adapter input (0 keeps rollout and training log-probs identical)."""
-    target_modules: str | tuple[str, ...] = "all-linear"
+    target_modules: Literal["all-linear"] | tuple[str, ...] = "all-linear"
     """peft's "all-linear" (every linear layer except the output head) or module-name suffixes such as
     ("q_proj", "v_proj")."""
     seed: int = 0

@@ -17,7 +17,7 @@
 Built models live under ``$STREAMRL_CACHE/models`` (default ``~/.cache/streamrl/models``), one directory per
 name and build key; a build goes to a temporary directory under a file lock and is renamed into place, so
 concurrent processes build once and readers never see a half-written model. Measurements behind these
-choices: ``shared/reference/platform.md`` sections 1-2.
+choices: ``docs/platform.md`` §1.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ CHATML_TEMPLATE = (
 
 # Exactly Qwen2's pre-tokenizer regex (single digits isolated). transformers maps model_type=qwen2 to
 # Qwen2Tokenizer, which re-imposes this regex on load; training with another one would make the reloaded
-# tokenizer split text differently from the trained merges (platform.md 1.2).
+# tokenizer split text differently from the trained merges (docs/platform.md §1).
 QWEN2_PRETOKENIZE_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -78,7 +78,7 @@ class TinyModelConfig:
     """Shape and seeds of the ``tiny`` model. Every field is part of the cache key.
 
     Defaults give ~2.1 M parameters (tied embeddings): big enough to behaviour-clone the expert agents in a
-    few CPU minutes (``streamrl.agents.sft``), small enough for ~300 tokens/s generation on one core.
+    few CPU minutes (``streamrl.algorithms.sft``), small enough for ~300 tokens/s generation on one core.
     """
 
     vocab_size: int = 4096
@@ -140,7 +140,7 @@ def build_once(target: Path, build: Callable[[Path], None]) -> Path:
     """Return ``target``, first calling ``build(tmp_dir)`` and renaming ``tmp_dir`` to ``target`` if it is missing.
 
     A lock file beside ``target`` serializes concurrent builders (threads or processes); a failed build
-    leaves nothing behind. Used for models here and for SFT checkpoints in ``streamrl.agents.sft``.
+    leaves nothing behind. Used for models here and for SFT checkpoints in ``streamrl.algorithms.sft``.
     """
     if target.is_dir():
         return target

@@ -1,15 +1,19 @@
 """streamrl.algorithms: how the agent learns.
 
 The core is pure tensor math that every algorithm module shares: the event tracker (policy clock and
-prompt memory), advantage estimators with their normalizations, and the policy/value losses. See
-``docs/algorithms.md`` for the map from each function to its equation.
+prompt memory), advantage estimators with their normalizations, and the policy/value losses.
+``docs/reference.md`` states each equation with its source, the test oracles and the project's decisions
+where the papers are silent; ``docs/algorithms.md`` maps each function to it and works an example.
 """
 
 from streamrl.algorithms.advantages import (
     TRL_GRPO_EPS,
     VERL_GRPO_EPS,
     WHITEN_EPS,
+    EpsPlacement,
     GAEResult,
+    GroupScale,
+    SingletonGroup,
     broadcast_to_tokens,
     discounted_returns,
     gae,
@@ -23,6 +27,12 @@ from streamrl.algorithms.advantages import (
     weighted_standardize,
 )
 from streamrl.algorithms.losses import (
+    AggMode,
+    DISForm,
+    ISLevel,
+    ISMode,
+    KLKind,
+    LossAggregation,
     PolicyLoss,
     PPOTokenTerms,
     RolloutIS,
@@ -35,10 +45,14 @@ from streamrl.algorithms.losses import (
     ppo_clip_token_loss,
     ppo_policy_loss,
     rollout_importance_weights,
+    sft_loss,
 )
 from streamrl.algorithms.tracker import (
     EventTracker,
+    MemoryMode,
     Receipt,
+    Retention,
+    RewardDomain,
     TaskStats,
     Ticket,
     TrackerConfig,
@@ -52,12 +66,24 @@ __all__ = [
     "TRL_GRPO_EPS",
     "VERL_GRPO_EPS",
     "WHITEN_EPS",
+    "AggMode",
+    "DISForm",
+    "EpsPlacement",
     "EventTracker",
     "GAEResult",
+    "GroupScale",
+    "ISLevel",
+    "ISMode",
+    "KLKind",
+    "LossAggregation",
+    "MemoryMode",
     "PPOTokenTerms",
     "PolicyLoss",
     "Receipt",
+    "Retention",
+    "RewardDomain",
     "RolloutIS",
+    "SingletonGroup",
     "TaskStats",
     "Ticket",
     "TrackerConfig",
@@ -80,6 +106,7 @@ __all__ = [
     "ppo_policy_loss",
     "rollout_importance_weights",
     "sampling_weights",
+    "sft_loss",
     "spo_retention",
     "token_mean_residual",
     "token_measure_normalize",

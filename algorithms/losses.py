@@ -4,19 +4,25 @@ All per-token tensors are (B, T) and aligned with the action mask ``mask`` (1 = 
 Losses are *minimized* (loss = -objective). Every loss returns its scalar together with the standard
 diagnostics, computed over the mask tokens of that call and detached.
 
-Sections refer to ``shared/reference/algorithms.md``: 1.1 PPO-clip + Dual-Clip (verl
-``compute_policy_loss_vanilla``; Ye et al. 2020), 1.2 aggregation (verl ``agg_loss``, TRL ``loss_type``),
-1.3 KL estimators (Schulman; verl ``kl_penalty``), 4.4/6 rollout importance weights (SPO++; verl
-``rollout_is``; AReaL decoupled PPO), 5.1 SAO's DIS, 5.2 clipped value loss (verl).
+Sections (§), test oracles (T1-T13) and project decisions (D1-D18) cited below are those of
+``docs/reference.md``: §1.1 PPO-clip + Dual-Clip (verl ``compute_policy_loss_vanilla``; Ye et al. 2020),
+§1.2 aggregation (verl ``agg_loss``, TRL ``loss_type``), §1.3 KL estimators (Schulman; verl ``kl_penalty``),
+§4.4 and §6 rollout importance weights (SPO++; verl ``rollout_is``; AReaL decoupled PPO), §5.1 SAO's DIS,
+§5.2 clipped value loss (verl). ``sft_loss``, the behaviour-cloning loss of the SFT cold start, takes the
+model and token sequences rather than per-token tensors.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Any, Literal, get_args
 
 import torch
+from streamrl.agents.batch import collate
+from streamrl.agents.logprobs import selected_token_logprobs
+from streamrl.agents.trajectory import TokenSequence
 from torch import Tensor
 
 LOG_RATIO_CLAMP = 20.0
@@ -32,6 +38,7 @@ ISMode = Literal["truncate", "mask"]
 ISLevel = Literal["token", "sequence"]
 DISForm = Literal["ratio", "logp"]
 
+_AGG_MODES: tuple[str, ...] = get_args(AggMode)
 _KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 
 
@@ -62,20 +69,13 @@ def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Aggregation (spec 1.2)
+# Aggregation (reference §1.2)
 # ---------------------------------------------------------------------------------------------------------
 
 
-def aggregate_loss(
-    token_loss: Tensor,
-    mask: Tensor,
-    mode: AggMode = "token-mean",
-    *,
-    num_tokens: float | None = None,
-    num_sequences: int | None = None,
-    max_tokens: int | None = None,
-) -> Tensor:
-    """Reduce a per-token loss (B, T) to a scalar over ``mask`` (verl ``agg_loss``; spec 1.2, oracle T12).
+@dataclass(frozen=True)
+class LossAggregation:
+    """How a per-token loss becomes a scalar: the mode and the counts it divides by (reference §1.2, oracle T12).
 
     ===========================  =============================================================
     ``token-mean``               sum m l / N_tok   (DAPO token-level; TRL ``bnpo``/``dapo``; SPO, SPO++)
@@ -85,37 +85,68 @@ def aggregate_loss(
     ``dr-grpo``                  sum m l / (B T_max)   (TRL ``loss_type="dr_grpo"``)
     ===========================  =============================================================
 
-    For micro-batching pass the *whole update batch's* ``num_tokens`` (N_tok), ``num_sequences`` (B) and
-    ``max_tokens`` (T_max, e.g. the max response length); the micro-batch values then sum to the full-batch
-    value. Without them the local counts are used (verl's per-micro-batch behaviour). SPO++ needs the global
-    token count for its zero-mean guarantee [INF, spec 4.3]. A trajectory with no mask tokens contributes 0
-    to ``seq-mean-token-mean`` (it still counts in B).
+    Built once per update with :meth:`of_batch` from the *whole update batch's* mask, it carries N_tok, B and
+    T_max to every micro-batch, so the micro-batch losses sum to the full-batch loss and no micro-batch can
+    silently divide by its own token count (SPO++'s zero-mean guarantee needs the global count, decision D5).
+    With no counts (``LossAggregation("token-mean")``) the local counts of each call are used -- verl's
+    per-micro-batch behaviour, right only when the call sees the whole batch.
+    """
+
+    mode: AggMode = "token-mean"
+    num_tokens: float | None = None
+    """N_tok: mask tokens of the whole update batch (``token-mean``)."""
+    num_sequences: int | None = None
+    """B: sequences of the whole update batch (the ``seq-mean-*`` and ``dr-grpo`` modes)."""
+    max_tokens: int | None = None
+    """T_max: e.g. the max response length (``seq-mean-token-sum-norm``, ``dr-grpo``)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in _AGG_MODES:
+            raise ValueError(f"unknown aggregation mode {self.mode!r}; valid: {', '.join(_AGG_MODES)}")
+        if self.num_tokens is not None and self.num_tokens <= 0:
+            raise ValueError(f"num_tokens must be > 0, got {self.num_tokens}")
+        for name in ("num_sequences", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+    @classmethod
+    def of_batch(
+        cls, mask: Tensor, mode: AggMode = "token-mean", *, max_tokens: int | None = None
+    ) -> LossAggregation:
+        """The counts of a whole update batch with loss mask ``mask`` (B, T); ``max_tokens`` defaults to T."""
+        return cls(
+            mode,
+            num_tokens=max(float(mask.sum()), 1.0),
+            num_sequences=int(mask.shape[0]),
+            max_tokens=int(mask.shape[1]) if max_tokens is None else max_tokens,
+        )
+
+
+def aggregate_loss(token_loss: Tensor, mask: Tensor, agg: LossAggregation | None = None) -> Tensor:
+    """Reduce a per-token loss (B, T) to a scalar over ``mask`` as ``agg`` says (default: local token-mean).
+
+    A trajectory with no mask tokens contributes 0 to ``seq-mean-token-mean`` (it still counts in B).
     """
     _check_same_shape(mask, token_loss=token_loss)
+    agg = agg or LossAggregation()
     m = mask.to(token_loss.dtype)
     masked = token_loss * m
-    batch = num_sequences if num_sequences is not None else mask.shape[0]
-    t_max = max_tokens if max_tokens is not None else mask.shape[1]
+    batch = agg.num_sequences if agg.num_sequences is not None else mask.shape[0]
+    t_max = agg.max_tokens if agg.max_tokens is not None else mask.shape[1]
     if batch < 1 or t_max < 1:
         raise ValueError(f"num_sequences and max_tokens must be >= 1, got {batch} and {t_max}")
-    if mode == "token-mean":
-        if num_tokens is None:
+    if agg.mode == "token-mean":
+        if agg.num_tokens is None:
             return masked.sum() / m.sum().clamp(min=1)
-        if num_tokens <= 0:
-            raise ValueError(f"num_tokens must be > 0, got {num_tokens}")
-        return masked.sum() / num_tokens
-    if mode == "seq-mean-token-mean":
+        return masked.sum() / agg.num_tokens
+    if agg.mode == "seq-mean-token-mean":
         return (masked.sum(dim=-1) / m.sum(dim=-1).clamp(min=1)).sum() / batch
-    if mode == "seq-mean-token-sum":
+    if agg.mode == "seq-mean-token-sum":
         return masked.sum() / batch
-    if mode == "seq-mean-token-sum-norm":
+    if agg.mode == "seq-mean-token-sum-norm":
         return masked.sum() / t_max
-    if mode == "dr-grpo":
-        return masked.sum() / (batch * t_max)
-    raise ValueError(
-        f"unknown aggregation mode {mode!r}; valid: token-mean, seq-mean-token-mean, seq-mean-token-sum, "
-        "seq-mean-token-sum-norm, dr-grpo"
-    )
+    return masked.sum() / (batch * t_max)  # dr-grpo
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -203,7 +234,7 @@ def _policy_diagnostics(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# PPO-clip with asymmetric bounds and Dual-Clip (spec 1.1, oracle T8)
+# PPO-clip with asymmetric bounds and Dual-Clip (reference §1.1, oracle T8)
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -227,7 +258,7 @@ def ppo_clip_token_loss(
     eps_high: float = 0.28,
     dual_clip_c: float | None = None,
 ) -> PPOTokenTerms:
-    """Per-token PPO-clip loss with decoupled bounds and optional Dual-Clip (spec 1.1; verl
+    """Per-token PPO-clip loss with decoupled bounds and optional Dual-Clip (reference §1.1; verl
     ``compute_policy_loss_vanilla``; Ye et al. 2020 arXiv 1912.09729)::
 
         r      = exp(clamp(logp - old_logp, -20, 20))
@@ -273,10 +304,7 @@ def ppo_policy_loss(
     eps_high: float = 0.28,
     dual_clip_c: float | None = None,
     is_weights: Tensor | None = None,
-    agg: AggMode = "token-mean",
-    num_tokens: float | None = None,
-    num_sequences: int | None = None,
-    max_tokens: int | None = None,
+    agg: LossAggregation | None = None,
     logits: Tensor | None = None,
 ) -> PolicyLoss:
     """PPO-clip policy loss (:func:`ppo_clip_token_loss`) aggregated over ``mask`` (:func:`aggregate_loss`).
@@ -284,7 +312,7 @@ def ppo_policy_loss(
     ``advantages``: (B,) trajectory scalars (SPO, SPO++, GRPO) or (B, T) token advantages (GAE).
     ``is_weights``: detached per-token factors multiplied into the loss, e.g. the SPO++ rollout correction
     min(exp(old_logp - rollout_logp), 2) from :func:`rollout_importance_weights`, or AReaL's behaviour
-    weight with the PPO ratio taken against the proximal policy (spec 6, oracle T13). Tokens with weight 0
+    weight with the PPO ratio taken against the proximal policy (reference §6, oracle T13). Tokens with weight 0
     stay in the token-mean denominator (AReaL); to drop them from it, aggregate over the IS mask instead.
     SPO: c=10; SPO++: c=2 plus IS truncated at 2; both token-mean.
     """
@@ -299,9 +327,7 @@ def ppo_policy_loss(
         _check_same_shape(mask, is_weights=is_weights)
         token_loss = token_loss * is_weights.detach()
         zero_weight = is_weights.detach() == 0
-    loss = aggregate_loss(
-        token_loss, mask, agg, num_tokens=num_tokens, num_sequences=num_sequences, max_tokens=max_tokens
-    )
+    loss = aggregate_loss(token_loss, mask, agg)
     return _policy_diagnostics(
         logp,
         old_logp,
@@ -316,7 +342,7 @@ def ppo_policy_loss(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Rollout importance weights (SPO++ spec 4.4; verl rollout_is; AReaL decoupled PPO, spec 6)
+# Rollout importance weights (reference §4.4, §6: SPO++; verl rollout_is; AReaL decoupled PPO)
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -326,7 +352,8 @@ class RolloutIS:
 
     In ``truncate`` mode ``mask`` is the input mask. In ``mask`` mode rejected tokens have weight 0 and are
     removed from ``mask``: aggregate over the returned mask to drop them from the denominator (verl), or over
-    the input mask to keep them there (AReaL). SPO++: take L_i for Eq. 6 from the mask the loss uses.
+    the input mask to keep them there (AReaL) (decision D17). SPO++: take L_i for Eq. 6 from the mask the
+    loss uses (decision D4).
     """
 
     weights: Tensor
@@ -345,9 +372,9 @@ def rollout_importance_weights(
     lower_threshold: float | None = None,
     level: ISLevel = "token",
 ) -> RolloutIS:
-    """Correct for the trainer/inference mismatch with w = pi_old / pi_rollout (spec 4.4, 6).
+    """Correct for the trainer/inference mismatch with w = pi_old / pi_rollout (reference §4.4, §6).
 
-    - ``truncate`` (SPO++: token level, threshold 2, [P]; verl semantics [INF]): w = min(w, threshold).
+    - ``truncate`` (SPO++: token level, threshold 2; verl's form, decision D6): w = min(w, threshold).
     - ``mask`` (verl mask mode; AReaL ``behav_imp_weight_cap``): tokens with w > threshold (or
       w < ``lower_threshold`` when given) are rejected: weight 0, removed from the returned mask.
     - ``level="sequence"``: one weight per trajectory, exp(sum_t m (old_logp - rollout_logp)), broadcast.
@@ -360,15 +387,15 @@ def rollout_importance_weights(
         raise ValueError(f"threshold must be > 0, got {threshold}")
     if lower_threshold is not None and not 0 <= lower_threshold < threshold:
         raise ValueError(f"lower_threshold must be in [0, threshold={threshold}), got {lower_threshold}")
-    if mode not in ("truncate", "mask"):
-        raise ValueError(f"mode must be 'truncate' or 'mask', got {mode!r}")
+    if mode not in get_args(ISMode):
+        raise ValueError(f"mode must be one of {get_args(ISMode)}, got {mode!r}")
+    if level not in get_args(ISLevel):
+        raise ValueError(f"level must be one of {get_args(ISLevel)}, got {level!r}")
     m = mask.to(old_logp.dtype)
     with torch.no_grad():
         log_w = (old_logp - rollout_logp) * m
         if level == "sequence":
             log_w = log_w.sum(dim=-1, keepdim=True).expand_as(log_w)
-        elif level != "token":
-            raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
         w = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         above = w > threshold
         if mode == "truncate":
@@ -389,7 +416,7 @@ def rollout_importance_weights(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# SAO: direct double-sided importance sampling (spec 5.1, oracle T9)
+# SAO: direct double-sided importance sampling (reference §5.1, oracle T9)
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -403,22 +430,19 @@ def dis_policy_loss(
     eps_high: float = 5.0,
     form: DISForm = "ratio",
     renormalize: bool = False,
-    agg: AggMode = "token-mean",
-    num_tokens: float | None = None,
-    num_sequences: int | None = None,
-    max_tokens: int | None = None,
+    agg: LossAggregation | None = None,
     logits: Tensor | None = None,
 ) -> PolicyLoss:
     """SAO's DIS loss (SAO Eq. 1-3): maximize E_t[f(r_t) A_t log pi_theta], r_t = pi_theta / pi_rollout,
     f(x) = x on 1 - eps_l < x < 1 + eps_h (strict) and 0 outside. No pi_old, no PPO clip, sign-independent.
 
-    Gradient-correct forms [INF, spec 5.1], with the acceptance mask computed under no_grad in log space
+    Gradient-correct forms (decision D8), with the acceptance mask computed under no_grad in log space
     (log r > log(1 - eps_l) and log r < log(1 + eps_h)):
 
     - ``form="ratio"`` (default): loss_t = -mask_t r_t A_t, whose gradient is -mask_t A_t r_t grad log pi.
     - ``form="logp"``: loss_t = -(mask_t r_t A_t).detach() log pi_t: the same gradient.
 
-    Rejected tokens get exactly zero gradient. Aggregation [INF]: token-mean keeping rejected tokens in
+    Rejected tokens get exactly zero gradient. Aggregation (decision D9): token-mean keeping rejected tokens in
     the denominator (more rejection = weaker update); ``renormalize=True`` averages over accepted tokens only.
     eps: math/TIR 0.3 / 5.0 (accept 0.7 < r < 6), SWE 0.8 / 3.0.
     """
@@ -427,8 +451,8 @@ def dis_policy_loss(
         raise ValueError(
             f"need 0 < eps_low <= 1 and eps_high > 0, got eps_low={eps_low}, eps_high={eps_high}"
         )
-    if form not in ("ratio", "logp"):
-        raise ValueError(f"form must be 'ratio' or 'logp', got {form!r}")
+    if form not in get_args(DISForm):
+        raise ValueError(f"form must be one of {get_args(DISForm)}, got {form!r}")
     adv = _token_advantages(advantages, mask)
     log_ratio = logp - rollout_logp
     with torch.no_grad():
@@ -442,9 +466,7 @@ def dis_policy_loss(
     else:
         token_loss = -(accept * ratio * adv).detach() * logp
     agg_mask = mask * accept.to(mask.dtype) if renormalize else mask
-    loss = aggregate_loss(
-        token_loss, agg_mask, agg, num_tokens=num_tokens, num_sequences=num_sequences, max_tokens=max_tokens
-    )
+    loss = aggregate_loss(token_loss, agg_mask, agg)
     return _policy_diagnostics(
         logp,
         rollout_logp,
@@ -459,7 +481,7 @@ def dis_policy_loss(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# KL estimators (spec 1.3, oracle T11)
+# KL estimators (reference §1.3, oracle T11)
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -489,7 +511,7 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: KLKind = "k3") -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Clipped value loss (verl; SAO [INF] spec 5.2)
+# Clipped value loss (verl; SAO's form is decision D12, reference §5.2)
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -519,14 +541,11 @@ def clipped_value_loss(
     mask: Tensor,
     *,
     clip_range: float | None = 0.5,
-    agg: AggMode = "token-mean",
-    num_tokens: float | None = None,
-    num_sequences: int | None = None,
-    max_tokens: int | None = None,
+    agg: LossAggregation | None = None,
 ) -> ValueLoss:
     """verl's clipped value loss 1/2 agg(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)).
 
-    The value-loss form of SAO is not stated; this is the spec's [INF] default (c = 0.5). ``clip_range=None``
+    SAO does not state its value loss; this is the project's choice, decision D12 (c = 0.5). ``clip_range=None``
     gives the plain 1/2 (V - R)^2. Only mask (action) tokens are trained, as SAO's skip-observation critic.
     """
     _check_same_shape(mask, values=values, old_values=old_values, returns=returns)
@@ -541,9 +560,7 @@ def clipped_value_loss(
         clipped_sq = (v_clipped - returns).square()
         token_loss = torch.maximum(unclipped, clipped_sq)
         clipped = (clipped_sq > unclipped).detach()
-    loss = 0.5 * aggregate_loss(
-        token_loss, mask, agg, num_tokens=num_tokens, num_sequences=num_sequences, max_tokens=max_tokens
-    )
+    loss = 0.5 * aggregate_loss(token_loss, mask, agg)
     with torch.no_grad():
         m = mask.to(values.dtype)
         ret_mean = _masked_mean(returns, mask)
@@ -561,3 +578,31 @@ def clipped_value_loss(
         explained_variance=explained,
         num_tokens=int(mask.sum()),
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Behaviour cloning (SFT cold start, ``streamrl.algorithms.sft``)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def sft_loss(
+    model: Any, batch: Sequence[TokenSequence], pad_token_id: int, context_weight: float = 0.0
+) -> tuple[torch.Tensor, int]:
+    """Behaviour-cloning loss: the mean negative log-likelihood of the action tokens of ``batch`` (``collate``d),
+    plus ``context_weight`` times the mean NLL of its other tokens (``SFTConfig.context_weight``); returns
+    (loss, action tokens). Each mean is over its tokens of the whole batch (token-mean aggregation).
+
+    Logits are computed only where they are needed (``selected_token_logprobs``): at the positions whose next
+    token is an action token, or at every position when ``context_weight`` is non-zero.
+    """
+    device = next(model.parameters()).device
+    padded = collate(batch, pad_token_id).to(device)
+    select = padded.target_mask if context_weight else padded.action_mask
+    lp = selected_token_logprobs(model, padded.input_ids, padded.attention_mask, select)
+    if not context_weight:
+        return -lp.mean(), int(lp.numel())
+    is_action = padded.action_mask[select]
+    loss = -lp[is_action].mean()
+    if not bool(is_action.all()):
+        loss = loss - context_weight * lp[~is_action].mean()
+    return loss, int(is_action.sum())

@@ -1,10 +1,13 @@
 """The event tracker: the policy clock and the prompt memory every algorithm shares.
 
+Sections (§), test oracles (T1-T13) and project decisions (D1-D18) cited in this module are those of
+``docs/reference.md`` (§3 SPO, §4 SPO++).
+
 The clock counts published policy versions ``k``; the event coordinate ``z = k * (-ln rho)`` advances by
-``-ln rho`` per policy event (SPO++ §2.2). ``dispatch(task_id)`` hands out a frozen :class:`Ticket`
+``-ln rho`` per policy event (reference §4.2). ``dispatch(task_id)`` hands out a frozen :class:`Ticket`
 (task, generating version, baseline v̂ frozen at dispatch, dispatch order, time); ``record(ticket, reward)``
 files the outcome at the event that generated it and returns a :class:`Receipt` with the advantage
-``R - v̂_frozen``. Three prompt-memory modes (spec §3-4 of ``shared/reference/algorithms.md``):
+``R - v̂_frozen``. Three prompt-memory modes:
 
 - ``"event-time"`` (SPO++ Eq. 3): alpha_q = rho^(k_q) alpha_0 + sum_{i in H_q} rho^(k_q - k_i) R_i (beta
   likewise with 1 - R_i). Exactly invariant to the order in which receipts arrive.
@@ -12,7 +15,7 @@ files the outcome at the event that generated it and returns a :class:`Receipt` 
   with rho constant or drift-derived, rho = clamp(2^(-D / 0.06), 0.875, 0.96) (SPO recipe).
 - ``"bookkeeping"`` (GRPO, SAO): versions, in-flight tickets, staleness and per-task statistics only.
 
-A prioritized sampler draws tasks with w = sqrt(v̂ (1 - v̂)) + 0.05 without replacement (SPO §3.5).
+A prioritized sampler draws tasks with w = sqrt(v̂ (1 - v̂)) + 0.05 without replacement (reference §3.5).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from fractions import Fraction
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 from torch import Tensor
@@ -61,11 +64,11 @@ class TrackerConfig:
     """D_half of the SPO retention 2^(-D / D_half) (SPO: hard-coded 0.06)."""
 
     prior_mass: float | None = None
-    """Total Beta mass N_0 of the offline prior; ``None`` = 1 / (1 - rho_min) (= 8, SPO §3.3, SPO++ App. A)."""
+    """Total Beta mass N_0 of the offline prior; ``None`` = 1 / (1 - rho_min) (= 8, reference §3.3)."""
 
     reward_domain: RewardDomain = "binary"
     """Rewards the prompt memory accepts: ``"binary"`` (R in {0, 1}; SPO, SPO++) or ``"unit"`` (R in [0, 1],
-    fractional Beta evidence, i.e. the adaptive-EMA form of SPO §3.1). Bookkeeping mode accepts any finite R."""
+    fractional Beta evidence, the adaptive-EMA form of reference §3.1; decision D18). Bookkeeping mode accepts any finite R."""
 
     sampler_eps: float = 0.05
     """Floor epsilon of the sampler weight sqrt(v̂ (1 - v̂)) + eps (SPO, SPO++: 0.05)."""
@@ -77,16 +80,16 @@ class TrackerConfig:
     """Seed of the sampler's numpy ``Generator`` (its state is part of ``state_dict``)."""
 
     def __post_init__(self) -> None:
-        if self.mode not in ("event-time", "receipt-order", "bookkeeping"):
-            raise ValueError(
-                f"mode must be 'event-time', 'receipt-order' or 'bookkeeping', got {self.mode!r}"
-            )
-        if self.retention not in ("constant", "drift"):
-            raise ValueError(f"retention must be 'constant' or 'drift', got {self.retention!r}")
+        if self.mode not in get_args(MemoryMode):
+            raise ValueError(f"mode must be one of {get_args(MemoryMode)}, got {self.mode!r}")
+        if self.retention not in get_args(Retention):
+            raise ValueError(f"retention must be one of {get_args(Retention)}, got {self.retention!r}")
         if self.retention == "drift" and self.mode != "receipt-order":
             raise ValueError(f"retention='drift' needs mode='receipt-order' (SPO), got mode={self.mode!r}")
-        if self.reward_domain not in ("binary", "unit"):
-            raise ValueError(f"reward_domain must be 'binary' or 'unit', got {self.reward_domain!r}")
+        if self.reward_domain not in get_args(RewardDomain):
+            raise ValueError(
+                f"reward_domain must be one of {get_args(RewardDomain)}, got {self.reward_domain!r}"
+            )
         if not 0 < self.rho <= 1:
             raise ValueError(f"rho must be in (0, 1], got {self.rho}")
         if not 0 < self.rho_min <= self.rho_max < 1:
@@ -125,7 +128,7 @@ class TrackerConfig:
 class Ticket:
     """What the dispatcher hands out with a request; immutable, carried with the trajectory.
 
-    ``baseline`` is v̂ frozen at dispatch (SPO++ §2.2; ``None`` in bookkeeping mode), ``version`` the policy
+    ``baseline`` is v̂ frozen at dispatch (reference §4.2; ``None`` in bookkeeping mode), ``version`` the policy
     version that will generate the request, ``dispatch_index`` the global dispatch order (unique per
     tracker), ``dispatch_time`` the tracker clock at dispatch.
     """
@@ -200,7 +203,7 @@ def logprob_drift(stored_logp: Tensor, new_logp: Tensor, mask: Tensor) -> Tensor
 
 
 def offline_prior(successes: float, n0: int, prior_mass: float) -> tuple[float, float]:
-    """Jeffreys-smoothed Beta prior of total mass N_0 from n_0 offline outcomes (SPO §3.3; oracle T2).
+    """Jeffreys-smoothed Beta prior of total mass N_0 from n_0 offline outcomes (reference §3.3; oracle T2).
 
     alpha_0 = N_0 (s + 1/2) / (n_0 + 1), beta_0 = N_0 (n_0 - s + 1/2) / (n_0 + 1); n_0 = 0 gives (1/2, 1/2).
     """
@@ -231,7 +234,7 @@ class _EventTimeMemory:
     sum_i rho^(k_ref - k_i) R_i. Reading at k_q >= k_ref scales both by rho^(k_q - k_ref), so v̂ = a / (a + b)
     needs no scaling and nothing grows like rho^(-k) (overflow-safe).
 
-    [INF] Exact order invariance: rather than folding each receipt into (a, b) as it arrives (equal only up
+    Exact order invariance (decision D2): rather than folding each receipt into (a, b) as it arrives (equal only up
     to rounding order), the memory keeps an exact per-version ledger (sum of R as a ``Fraction``, count) and
     rebuilds (a, b) from it in version order on each record. For a fixed visible history the result is
     bit-identical under every receipt permutation. Entries (and the prior) older than k_ref - H, where
@@ -388,7 +391,7 @@ class EventTracker:
 
     @property
     def event_coordinate(self) -> float:
-        """z = k * (-ln rho); z_0 = 0 anchors the offline prior at version 0 [INF, spec 4.2]."""
+        """z = k * (-ln rho); z_0 = 0 anchors the offline prior at version 0 (decision D1)."""
         return self._version * self.event_step
 
     def publish(self) -> int:
@@ -414,7 +417,7 @@ class EventTracker:
             raise RuntimeError(f"{what} needs a prompt memory; this tracker is in 'bookkeeping' mode")
 
     def init_offline(self, outcomes: Mapping[str, Sequence[float]]) -> None:
-        """Set each task's prior from its n_0 offline outcomes (SPO §3.3, SPO++ App. A; oracle T2).
+        """Set each task's prior from its n_0 offline outcomes (reference §3.3, §4.4; oracle T2).
 
         Jeffreys-smoothed with total mass N_0 = ``config.offline_prior_mass``; an empty list gives (1/2, 1/2).
         With ``reward_domain="binary"`` scores are binarized as score > 0 (SPO recipe); with ``"unit"`` they
@@ -459,7 +462,7 @@ class EventTracker:
     def sampling_probabilities(self, candidates: Sequence[str] | None = None) -> dict[str, float]:
         """p(x) = w(x) / sum w over ``candidates`` (default: all tasks) that may be dispatched now.
 
-        w = sqrt(v̂ (1 - v̂)) + eps (SPO §3.5 with gamma = 0, SPO++ §2.4); uniform in bookkeeping mode. With
+        w = sqrt(v̂ (1 - v̂)) + eps (reference §3.5 with gamma = 0, §4.4); uniform in bookkeeping mode. With
         ``one_in_flight`` tasks that have a ticket in flight are left out.
         """
         pool = self._eligible(candidates)
@@ -511,7 +514,7 @@ class EventTracker:
     # -- dispatch / record ----------------------------------------------------------------------------------
 
     def dispatch(self, task_id: str) -> Ticket:
-        """Freeze the baseline of ``task_id`` at the current version and hand out a ticket (SPO++ §2.2)."""
+        """Freeze the baseline of ``task_id`` at the current version and hand out a ticket (reference §4.2)."""
         self._check_task(task_id)
         stats = self._stats[task_id]
         if self.config.one_in_flight and stats.in_flight > 0:
@@ -560,7 +563,8 @@ class EventTracker:
 
         Event-time: the outcome enters Eq. 3 at coordinate z of ``ticket.version``, visible to later
         dispatches only. Receipt-order: Eq. 2 with rho = :attr:`TrackerConfig.rho`, or with
-        rho = :func:`spo_retention` of ``drift`` (required, and only allowed, with ``retention="drift"``).
+        rho = :func:`spo_retention` of ``drift`` (required, and only allowed, with ``retention="drift"``;
+        decision D16). Files at ``ticket.version`` even after newer versions were published (decision D3).
         """
         held = self._held_ticket(ticket)
         reward = float(reward)
@@ -671,7 +675,10 @@ class EventTracker:
 
 __all__ = [
     "EventTracker",
+    "MemoryMode",
     "Receipt",
+    "Retention",
+    "RewardDomain",
     "TaskStats",
     "Ticket",
     "TrackerConfig",

@@ -1,6 +1,6 @@
 """Generation throughput of the HF backend: tokens/s for ``tiny`` and ``smollm2-135m``, batch 1 and 8.
 
-Setting (as in shared/reference/platform.md 1.4): 1 torch thread, fp32 on CPU (bf16 on a GPU if present),
+Setting (as in docs/platform.md §3): 1 torch thread, fp32 on CPU (bf16 on a GPU if present),
 a ~30-token chat prompt, sampling at temperature 1 with no stop (exactly ``new_tokens`` per sequence, EOS
 included in the count only if sampled last), one warm-up call, best of ``--repeats``. tok/s is aggregate
 over the batch (batch x new tokens / seconds). Writes ``benchmarks/results/generation.json``.

@@ -6,7 +6,7 @@
 Per model: ``VLLMBackend`` start-up time (engine processes, weights, KV cache, warm-up), then generation
 tokens/s at batch 1 and batch 8 (chat prompts, temperature 1, ``--new-tokens`` new tokens at most; tokens/s
 counts the tokens actually generated, summed over the batch, best of ``--reps``), the same for ``HFBackend``
-(1 torch thread, the setting platform.md recommends on a shared 2-core box), and the latency of
+(1 torch thread, the setting docs/platform.md §3 recommends on a shared 2-core box), and the latency of
 ``set_adapter`` (LoRA rank 8) with the probe check computed by a CPU reference and with a publisher's probe
 file. Wall-clock times on whatever else the machine runs; the load average is recorded next to them.
 """
@@ -82,7 +82,7 @@ def _adapter(model_path: Path, directory: Path) -> Any:
 
 def _adapter_loads(backend: Any, workdir: Path) -> dict[str, Any]:
     import torch
-    from streamrl.agents.hf_backend import token_logprobs
+    from streamrl.agents.logprobs import token_logprobs
     from streamrl.agents.vllm_backend import probe_token_ids, write_adapter_probe
 
     plain, probed = workdir / "plain", workdir / "probed"

@@ -34,7 +34,7 @@ import textworld
 from alfworld.agents.environment.alfred_tw_env import AlfredDemangler
 from gymnasium import spaces
 from streamrl.envs import alfworld_gen, textworld_patches
-from streamrl.envs.alfworld_gen import SPLITS, TASK_TYPES, GenerationConfig
+from streamrl.envs.alfworld_gen import SPLITS, TASK_TYPES, GenerationConfig, Split
 from streamrl.envs.base import TextEnv
 from textworld.envs.pddl import PddlEnv
 
@@ -53,7 +53,11 @@ __all__ = [
 TEXT_CHARSET: str = string.ascii_letters + string.digits + string.punctuation + " \n\t"
 MAX_TEXT_LENGTH = 16384
 # Our split names -> the folders of the official data (json_2.1.1/<folder>).
-OFFICIAL_SPLITS: dict[str, str] = {"train": "train", "eval_seen": "valid_seen", "eval_unseen": "valid_unseen"}
+OFFICIAL_SPLITS: dict[Split, str] = {
+    "train": "train",
+    "eval_seen": "valid_seen",
+    "eval_unseen": "valid_unseen",
+}
 
 
 class AlfredEngine:
@@ -110,7 +114,7 @@ def release_engine(engine: AlfredEngine) -> None:
         _FREE_ENGINES.append(engine)
 
 
-def _find_official_games(data_path: str, split: str) -> tuple[Path, list[Path]]:
+def _find_official_games(data_path: str, split: Split) -> tuple[Path, list[Path]]:
     """The split folder and game files of an official ALFWorld split, filtered as
     ``AlfredTWEnv.collect_game_files`` does (no movable-receptacle or sliced tasks, only solvable games)."""
     root = Path(os.path.expandvars(data_path)).expanduser()
@@ -165,7 +169,7 @@ class ALFWorldEnv(TextEnv):
 
     def __init__(
         self,
-        split: str = "train",
+        split: Split = "train",
         *,
         game_files: Sequence[str | os.PathLike[str]] | None = None,
         data_path: str | os.PathLike[str] | None = None,

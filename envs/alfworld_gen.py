@@ -7,7 +7,7 @@ receptacle/object compatibility tables (``alfworld.gen.constants``), the goal te
 floor plans (``alfworld/gen/layouts``). This module samples rooms from those tables, writes standard
 ``game.tw-pddl`` + ``traj_data.json`` folders (which alfworld's own ``AlfredTWEnv`` also reads), builds a
 constructive walkthrough and keeps a game only if the real engine says the goal is false at reset and the
-walkthrough wins it. Design and measurements: ``shared/reference/alfworld.md`` sections 4-5.
+walkthrough wins it. Design and measurements: ``docs/alfworld.md`` §2-3.
 
 Generated games are ALFWorld-*style*: same engine, domain, grammar, task types and room contents, but
 not the ALFWorld benchmark games; numbers on them are not comparable to published ALFWorld scores.
@@ -23,12 +23,11 @@ ALFWorld's two eval splits are nearly equal (140 seen / 134 unseen), so ours are
 the size at which a success rate has a standard error <= 6.3 points, while generating and verifying
 all 256 games stays within a few CPU minutes. Sizes are configurable (``GenerationConfig``).
 
-Command line: ``python -m streamrl.envs.alfworld_gen [--split train eval_seen eval_unseen] [--cache-dir D]``.
+Command line: ``streamrl alfworld-generate [--split train eval_seen eval_unseen] [--cache-dir D]``.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import logging
@@ -42,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast, get_args
 
 import alfworld.gen.constants as C
 import alfworld.gen.goal_library as glib
@@ -54,10 +53,11 @@ __all__ = [
     "TASK_TYPES",
     "GameSpec",
     "GenerationConfig",
+    "Split",
+    "TaskType",
     "build_game",
     "ensure_split",
     "generate_game",
-    "main",
     "parse_task_id",
     "split_dir",
 ]
@@ -66,15 +66,17 @@ __all__ = [
 GENERATOR_VERSION = "1"
 
 # ALFWorld's task-type order (alfworld.agents.environment.alfred_tw_env.TASK_TYPES).
-TASK_TYPES: tuple[str, ...] = (
+TaskType = Literal[
     "pick_and_place_simple",
     "look_at_obj_in_light",
     "pick_clean_then_place_in_recep",
     "pick_heat_then_place_in_recep",
     "pick_cool_then_place_in_recep",
     "pick_two_obj_and_place",
-)
-SPLITS: tuple[str, ...] = ("train", "eval_seen", "eval_unseen")
+]
+TASK_TYPES: tuple[TaskType, ...] = get_args(TaskType)
+Split = Literal["train", "eval_seen", "eval_unseen"]
+SPLITS: tuple[Split, ...] = get_args(Split)
 
 _DATA = resources.files("alfworld") / "data"
 DOMAIN: str = (_DATA / "alfred.pddl").read_text()
@@ -148,7 +150,7 @@ class GenerationConfig:
         if self.workers is not None and self.workers < 1:
             raise ValueError(f"GenerationConfig.workers must be >= 1 or None, got {self.workers}")
 
-    def size(self, split: str) -> int:
+    def size(self, split: Split) -> int:
         _check_split(split)
         return int(getattr(self, split))
 
@@ -161,7 +163,7 @@ class GenerationConfig:
 class GameSpec:
     """One sampled room and task, in PDDL ids (before the engine names things "cabinet 3")."""
 
-    task_type: str
+    task_type: TaskType
     floor_plan: int
     receptacles: list[str]  # receptacle ids, e.g. "Cabinet_bar_3", "Sink_bar_1_bar_SinkBasin"
     objects: list[tuple[str, str]]  # (object id, id of the receptacle holding it)
@@ -196,7 +198,7 @@ def _receptacle_id(rtype: str, i: int) -> str:
     return f"{rtype}_bar_{i}"
 
 
-def floor_plans(split: str, task_type: str) -> list[int]:
+def floor_plans(split: Split, task_type: TaskType) -> list[int]:
     """Floor plans a task of ``task_type`` may use in ``split``: ALFRED's training scenes for ``train``
     and ``eval_seen``, its held-out test scenes for ``eval_unseen``; room types from ``GOALS_VALID``."""
     _check_split(split)
@@ -219,8 +221,8 @@ def _scene(floor_plan: int) -> tuple[tuple[str, ...], dict[str, int]]:
     return tuple(sorted(present)), counts
 
 
-def _sample_spec(task_type: str, split: str, rng: random.Random) -> GameSpec | None:
-    """Sample a room and task (section 5 of the reference); ``None`` when the draw cannot host the task."""
+def _sample_spec(task_type: TaskType, split: Split, rng: random.Random) -> GameSpec | None:
+    """Sample a room and task (docs/alfworld.md §3); ``None`` when the draw cannot host the task."""
     floor_plan = rng.choice(floor_plans(split, task_type))
     present, counts = _scene(floor_plan)
     present_set = set(present)
@@ -350,7 +352,7 @@ def plan_to_commands(plan: Sequence[tuple[str, ...]], names: dict[str, str]) -> 
 
 
 def to_pddl(spec: GameSpec) -> str:
-    """The PDDL problem of a spec, in the layout of ALFWorld's problem files (section 4 of the reference)."""
+    """The PDDL problem of a spec, in the layout of ALFWorld's problem files (docs/alfworld.md §2)."""
     rec, objs = spec.receptacles, spec.objects
     loc = {r: f"loc_{k}" for k, r in enumerate(rec)}
     lines = ["(define (problem streamrl_alfworld)", "(:domain alfred)", "(:objects", "agent1 - agent"]
@@ -383,11 +385,11 @@ def to_pddl(spec: GameSpec) -> str:
     return "\n".join(lines + init) + "\n" + goal.replace("#", "-").strip() + "\n"
 
 
-def task_id_for(split: str, index: int, task_type: str, floor_plan: int) -> str:
+def task_id_for(split: Split, index: int, task_type: TaskType, floor_plan: int) -> str:
     return f"alfworld/{split}/{index:04d}-{task_type}-FloorPlan{floor_plan}"
 
 
-def parse_task_id(task_id: str) -> tuple[str, int]:
+def parse_task_id(task_id: str) -> tuple[Split, int]:
     """``"alfworld/train/0007-..."`` -> ``("train", 7)``; raises ``ValueError`` naming the bad id."""
     parts = task_id.split("/")
     if len(parts) != 3 or parts[0] != "alfworld" or parts[1] not in SPLITS or not parts[2][:4].isdigit():
@@ -395,7 +397,7 @@ def parse_task_id(task_id: str) -> tuple[str, int]:
             f"malformed ALFWorld task id {task_id!r}; expected 'alfworld/<split>/<NNNN>-<task_type>-FloorPlan<N>' "
             f"with split in {SPLITS}"
         )
-    return parts[1], int(parts[2][:4])
+    return cast(Split, parts[1]), int(parts[2][:4])
 
 
 def build_game(spec: GameSpec, task_id: str, walkthrough: Sequence[str] = ()) -> dict[str, Any]:
@@ -426,7 +428,7 @@ def traj_data(spec: GameSpec, task_id: str) -> dict[str, Any]:
     }
 
 
-def generate_game(split: str, index: int) -> tuple[str, dict[str, Any], dict[str, Any]]:
+def generate_game(split: Split, index: int) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """Game ``index`` of ``split``: ``(task_id, game_json, traj_data)``, verified on the real engine.
 
     The task type cycles through ``TASK_TYPES``. Draws come from ``random.Random`` seeded with a string
@@ -446,7 +448,7 @@ def generate_game(split: str, index: int) -> tuple[str, dict[str, Any], dict[str
 
 
 def _first_valid_game(
-    engine: Any, split: str, index: int, task_type: str
+    engine: Any, split: Split, index: int, task_type: TaskType
 ) -> tuple[str, dict[str, Any], dict[str, Any]]:
     for attempt in range(_MAX_ATTEMPTS):
         rng = random.Random(f"streamrl-alfworld/v{GENERATOR_VERSION}/{split}/{index}/{attempt}")
@@ -470,7 +472,7 @@ def _first_valid_game(
 
 
 # -- the on-disk cache ----------------------------------------------------------------------------------
-def split_dir(split: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+def split_dir(split: Split, cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Folder holding the games of ``split`` (one sub-folder per game)."""
     _check_split(split)
     return GenerationConfig(cache_dir=None if cache_dir is None else str(cache_dir)).root() / split
@@ -481,7 +483,7 @@ def _game_folder(root: Path, task_id: str) -> Path:
     return root / split / task_id.split("/")[2]
 
 
-def _generate_into(root: Path, split: str, index: int) -> str:
+def _generate_into(root: Path, split: Split, index: int) -> str:
     task_id, game, traj = generate_game(split, index)
     # A folder left by an interrupted run is replaced (writers hold the split lock, so it is not in use).
     with atomic_dir(_game_folder(root, task_id), replace=True) as tmp:
@@ -490,7 +492,7 @@ def _generate_into(root: Path, split: str, index: int) -> str:
     return task_id
 
 
-def _read_manifest(root: Path, split: str, n: int) -> list[str]:
+def _read_manifest(root: Path, split: Split, n: int) -> list[str]:
     """Task ids of the first ``n`` games of the manifest, cut before the first game whose files are gone
     (those games are then generated again)."""
     try:
@@ -506,7 +508,9 @@ def _read_manifest(root: Path, split: str, n: int) -> list[str]:
     return known
 
 
-def ensure_split(split: str, config: GenerationConfig | None = None, *, progress: bool = False) -> list[Path]:
+def ensure_split(
+    split: Split, config: GenerationConfig | None = None, *, progress: bool = False
+) -> list[Path]:
     """Paths of the ``game.tw-pddl`` files of ``split`` (``config.size(split)`` games, in index order),
     generating the missing ones first. Safe under concurrent processes: an exclusive lock file serializes
     writers, every file and game folder is written under a temporary name and renamed, and the generation
@@ -525,7 +529,7 @@ def ensure_split(split: str, config: GenerationConfig | None = None, *, progress
 
 
 def _generate_missing(
-    root: Path, split: str, known: list[str], n: int, workers: int | None, progress: bool
+    root: Path, split: Split, known: list[str], n: int, workers: int | None, progress: bool
 ) -> list[str]:
     (root / split).mkdir(parents=True, exist_ok=True)
     todo = list(range(len(known), n))
@@ -561,11 +565,12 @@ def _worker_main(argv: Sequence[str]) -> None:
     """Body of a generation worker: ``argv`` = cache root, split, game indices; prints ``index task_id``
     per generated game."""
     root, split, *indices = argv
+    _check_split(split)
     for index in map(int, indices):
-        print(index, _generate_into(Path(root), split, index), flush=True)
+        print(index, _generate_into(Path(root), cast(Split, split), index), flush=True)
 
 
-def _generate_in_workers(root: Path, split: str, todo: list[int], n_workers: int) -> list[str]:
+def _generate_in_workers(root: Path, split: Split, todo: list[int], n_workers: int) -> list[str]:
     """Generate games ``todo`` in ``n_workers`` worker processes (interleaved shares); their task ids in order."""
     shares = [todo[k::n_workers] for k in range(n_workers)]
     procs: list[tuple[subprocess.Popen[bytes], Any, Any]] = []
@@ -595,34 +600,3 @@ def _generate_in_workers(root: Path, split: str, todo: list[int], n_workers: int
             out.close()
             err.close()
     return [done[i] for i in todo]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Generate the fixed splits into the cache (``python -m streamrl.envs.alfworld_gen --help``)."""
-    defaults = GenerationConfig()
-    parser = argparse.ArgumentParser(
-        prog="python -m streamrl.envs.alfworld_gen",
-        description="Generate the offline ALFWorld game splits into the streamrl cache.",
-    )
-    parser.add_argument("--split", nargs="+", choices=SPLITS, default=list(SPLITS), help="splits to generate")
-    parser.add_argument("--cache-dir", default=None, help="cache folder (default: $STREAMRL_CACHE/alfworld)")
-    for split in SPLITS:
-        parser.add_argument(
-            f"--{split.replace('_', '-')}-size",
-            type=int,
-            default=getattr(defaults, split),
-            dest=f"{split}_size",
-        )
-    parser.add_argument("--workers", type=int, default=None, help="processes (default: all CPUs)")
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    config = GenerationConfig(
-        **{s: getattr(args, f"{s}_size") for s in SPLITS}, cache_dir=args.cache_dir, workers=args.workers
-    )
-    for split in args.split:
-        paths = ensure_split(split, config, progress=True)
-        print(f"{split}: {len(paths)} games in {paths[0].parent.parent if paths else config.root() / split}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,8 +1,8 @@
 """Final-answer extraction (the last ``\\boxed{...}``) and mathematical equivalence for Math-TIR rewards.
 
-Checking order (reference/platform.md §4.3): exact match after normalization, then exact rational comparison
-of plain numbers (``0.5`` = ``1/2`` = ``\\frac{1}{2}`` = ``50\\%``), then math-verify (Hugging Face; LaTeX,
-sets, intervals), then sympy with a numeric tolerance.
+Checking order (docs/platform.md §6): exact match after normalization, then exact rational comparison of
+plain numbers (``0.5`` = ``1/2`` = ``\\frac{1}{2}`` = ``50\\%``), then math-verify (Hugging Face; LaTeX, sets,
+intervals), then sympy with a numeric tolerance.
 
 The first two stages are cheap and bounded (string operations and rational arithmetic on at most a turn's
 worth of digits) and run in the caller. The symbolic stages are not: a policy can write ``2^{2^{64}}`` or

@@ -4,14 +4,14 @@ Three sources, each task carrying a *reference solution program* (Python that pr
 the scripted solver (``streamrl.agents.math_solver``) sends through the real sandbox:
 
 * ``gsm_symbolic`` -- ``reasoning-gym==0.1.25``'s GSM8K-derived templates (Apache-2.0). The training split
-  is 1,500 problems (seed 42, as in reference/platform.md §4.1); the test split is drawn with another seed
+  is 1,500 problems (seed 42; docs/platform.md §5); the test split is drawn with another seed
   and keeps only questions absent from the training split (the two share templates, as GSM-Symbolic
   variants do). Solution programs are translated from each problem's worked solution
   (``metadata["answer_cot"]``): every ``<arithmetic> = <number>`` it states becomes one Python line; a
   problem whose worked arithmetic cannot be translated to its final answer gets a program that prints the
   answer key and says so (``MathTask.solution_kind == "answer_key"``; see :func:`solution_coverage`).
 * ``procedural`` -- our own generator of multi-step arithmetic and algebra word problems with exact
-  (``Fraction``) answers: thirteen families adapted from reference/platform.md §4.2 plus two chained
+  (``Fraction``) answers: thirteen families (docs/platform.md §5) plus two chained
   families where each step's result feeds the next.
 * ``custom`` -- a user's own ``(question, answer)`` records (:func:`custom_tasks`).
 
@@ -28,14 +28,17 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 __all__ = [
     "GSM_TEST_SEED",
     "GSM_TRAIN_SEED",
     "PROCEDURAL_FAMILIES",
     "MathTask",
+    "SolutionKind",
+    "Source",
     "Split",
+    "TaskOrigin",
     "cot_to_program",
     "custom_tasks",
     "gsm_symbolic_tasks",
@@ -46,8 +49,14 @@ __all__ = [
 ]
 
 Split = Literal["train", "test"]
-SPLITS: tuple[str, ...] = ("train", "test")
-SOURCES: tuple[str, ...] = ("gsm_symbolic", "procedural", "mixed")
+SPLITS: tuple[Split, ...] = get_args(Split)
+Source = Literal["gsm_symbolic", "procedural", "mixed"]
+"""A task set to draw from: one source, or both interleaved (``"mixed"``)."""
+SOURCES: tuple[Source, ...] = get_args(Source)
+SolutionKind = Literal["program", "cot", "answer_key"]
+"""Where a task's solution program comes from (see :class:`MathTask`)."""
+TaskOrigin = Literal["gsm_symbolic", "procedural", "custom"]
+"""Which source a single task came from (``"custom"``: a user's record)."""
 
 TRAIN_SIZE = 1500
 TEST_SIZE = 300
@@ -70,8 +79,8 @@ class MathTask:
     question: str
     answer: str
     solution: str
-    solution_kind: Literal["program", "cot", "answer_key"]
-    source: str
+    solution_kind: SolutionKind
+    source: TaskOrigin
     split: str
     meta: Mapping[str, Any] = field(default_factory=dict)
 
@@ -673,7 +682,9 @@ def custom_tasks(
     return tuple(tasks)
 
 
-def task_set(source: str = "mixed", split: Split = "train", size: int | None = None) -> tuple[MathTask, ...]:
+def task_set(
+    source: Source = "mixed", split: Split = "train", size: int | None = None
+) -> tuple[MathTask, ...]:
     """The tasks of ``source`` (``"gsm_symbolic"``, ``"procedural"`` or ``"mixed"``) and ``split``.
 
     ``"mixed"`` interleaves the two sources (gsm_symbolic first), ``size`` tasks in all (default: both

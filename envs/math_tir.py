@@ -34,7 +34,7 @@ from typing import Any
 from gymnasium import spaces
 from streamrl.envs.base import TextEnv
 from streamrl.envs.math_answer import answers_equal, extract_boxed, grading_sandbox
-from streamrl.envs.math_tasks import SOURCES, SPLITS, MathTask, custom_tasks, task_set
+from streamrl.envs.math_tasks import SOURCES, SPLITS, MathTask, Source, Split, custom_tasks, task_set
 from streamrl.envs.sandbox import (
     SandboxConfig,
     SandboxPool,
@@ -66,12 +66,12 @@ _OPEN_CODE = re.compile(r"```(?:python|py)\b")
 class MathTIRConfig:
     """Settings of :class:`MathTIREnv`."""
 
-    source: str = "mixed"
+    source: Source = "mixed"
     """Task source: ``"gsm_symbolic"`` (word problems), ``"procedural"`` (multi-step arithmetic/algebra,
     where a calculator pays off: big powers mod m, equation systems) or ``"mixed"`` (both, interleaved;
     the default, so a policy learns both to read a problem and to compute with the tool). Ignored when
     custom ``tasks`` are given."""
-    split: str = "train"
+    split: Split = "train"
     """``"train"`` (1,500 problems per source) or ``"test"`` (300 per source, disjoint from train)."""
     size: int | None = None
     """Use only the first ``size`` tasks of the split (``None`` = all)."""
@@ -209,7 +209,7 @@ class MathTIREnv(TextEnv):
     def _load_tasks(self, tasks: Iterable[Any] | None) -> tuple[MathTask, ...]:
         c = self.config
         if tasks is None:
-            return task_set(c.source, c.split, c.size)  # type: ignore[arg-type]
+            return task_set(c.source, c.split, c.size)
         items = list(tasks)
         if items and all(isinstance(t, MathTask) for t in items):
             loaded: tuple[MathTask, ...] = tuple(items)

@@ -2,7 +2,7 @@
 
 Why a fork server: a fresh ``python -c`` per call costs ~13 ms, and ~470 ms when the snippet imports sympy;
 a zygote that pre-imports math/fractions/sympy/numpy once and ``fork``s a child per call answers in a few
-milliseconds with the same per-call isolation (reference/platform.md §5; SimpleTIR and ToRL run each
+milliseconds with the same per-call isolation (docs/platform.md §7; SimpleTIR and ToRL run each
 snippet in a fresh, resource-limited process too, behind SandboxFusion).
 
 Each zygote is *spawned* (``subprocess.Popen`` of a new interpreter with ``-I`` and a scrubbed
@@ -77,7 +77,7 @@ _MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
 class SandboxConfig:
     """Limits and pool settings of the Python tool sandbox.
 
-    Defaults follow reference/platform.md §5 (measured on a 2-core box) and SimpleTIR's firejail profile
+    Defaults follow the measurements in docs/platform.md §7 and SimpleTIR's firejail profile
     (``rlimit as 512M, cpu 3, nproc 50``), loosened where numpy/sympy work needs room.
     """
 

@@ -30,8 +30,9 @@ TextWorld 1.7's ``PddlEnv`` spends almost all of its time re-doing pure work:
    deep-copies rules before use).
 
 The translation wrapper also restores ``sys.argv``, which ``fast_downward.pddl2sas`` overwrites for good.
-Patches and measurements: ``shared/reference/alfworld.md`` (appendix A); the golden-transcript test in
-``tests/test_alfworld_env.py`` checks that transcripts are byte-identical with and without the patches.
+Where the time goes: ``docs/alfworld.md`` §4; measurements: ``benchmarks/results/alfworld.json``. The
+golden-transcript test in ``tests/test_alfworld_env.py`` checks that transcripts are byte-identical with and
+without the patches.
 
 Usage::
 

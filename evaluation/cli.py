@@ -1,80 +1,375 @@
-"""The ``streamrl`` command line.
+"""The ``streamrl`` command line: one program, one subcommand for each thing a user runs.
 
 streamrl demo                  play Math-TIR test problems with the scripted solver through the real sandbox
+streamrl train                 train a policy with SPO, SPO++, GRPO, SAO or your own algorithm
+streamrl sft                   behaviour-clone a model on expert trajectories (SFT cold start), then evaluate it
 streamrl alfworld-generate     generate the offline ALFWorld game splits into the cache
+
+Every subcommand's flags are derived from documented config dataclasses (``streamrl.evaluation.config_cli``):
+the options below, and for ``sft`` the training recipe ``SFTConfig`` itself, so a flag's type, choices, help and
+default are written once, next to the field. ``streamrl <subcommand> --help`` lists them.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from streamrl.evaluation.config_cli import add_dataclass_arguments, dataclass_from_args, given_arguments
+
+if TYPE_CHECKING:  # imported when the subcommand runs: it needs torch
+    from streamrl.algorithms.sft import SFTConfig
+
+T = TypeVar("T")
 
 
-def _demo(args: argparse.Namespace) -> int:
+# ----------------------------------------------------------------------------------------------------------
+# streamrl demo
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """``streamrl demo``: the scripted Math-TIR solver plays test problems, every tool call in the sandbox."""
+
+    episodes: int = 20
+    """Episodes to play."""
+    show: int = 2
+    """Transcripts to print (the first episodes')."""
+    split: Literal["train", "test"] = "test"
+    """Math-TIR task split."""
+    seed: int = 0
+    """Reset seed of the first episode (episode i resets with seed + i)."""
+
+    def __post_init__(self) -> None:
+        if self.episodes < 1:
+            raise ValueError(f"episodes must be >= 1, got {self.episodes}")
+
+
+def _demo(argv: Sequence[str]) -> int:
+    parser = _parser("demo", DemoOptions.__doc__)
+    add_dataclass_arguments(parser, DemoOptions)
+    options = _build(parser, DemoOptions, parser.parse_args(argv))
+
     import gymnasium as gym
     import streamrl.envs  # noqa: F401  (registers the envs)
     from streamrl.agents.math_solver import MathSolverAgent
     from streamrl.agents.rollout import play_episode
 
-    env = gym.make("streamrl/MathTIR-v0", split=args.split)
+    env = gym.make("streamrl/MathTIR-v0", split=options.split)
     agent = MathSolverAgent(env.unwrapped.tasks)  # type: ignore[attr-defined]
     try:
         wins, seconds = 0, 0.0
-        for i in range(args.episodes):
-            result = play_episode(env, agent, seed=args.seed + i)
+        for i in range(options.episodes):
+            result = play_episode(env, agent, seed=options.seed + i)
             wins += result.won
             seconds += result.seconds
-            if i < args.show:
+            if i < options.show:
                 print(f"=== episode {i}: task {result.task_id} ===")
                 print(result.transcript())
                 print(
                     f"--- reward {result.reward:.1f}, {result.steps} turns, {result.seconds * 1000:.0f} ms\n"
                 )
         print(
-            f"score: {wins}/{args.episodes} solved ({wins / args.episodes:.1%}) on the Math-TIR {args.split} split, "
-            f"{seconds / args.episodes * 1000:.0f} ms per episode"
+            f"score: {wins}/{options.episodes} solved ({wins / options.episodes:.1%}) on the Math-TIR "
+            f"{options.split} split, {seconds / options.episodes * 1000:.0f} ms per episode"
         )
     finally:
         env.close()
     return 0
 
 
-def _alfworld_generate(args: argparse.Namespace, rest: list[str]) -> int:
-    from streamrl.envs.alfworld_gen import main as generate_main
+# ----------------------------------------------------------------------------------------------------------
+# streamrl sft
 
-    return int(generate_main(rest) or 0)
+
+@dataclass(frozen=True)
+class SFTRunOptions:
+    """``streamrl sft``: which SFT checkpoints to build (each cached, ``sft_checkpoint``) and how to evaluate
+    them; prints a JSON report (checkpoint, its training report, greedy and sampled success rates per split)."""
+
+    envs: tuple[str, ...] = ()
+    """Envs to train: one checkpoint each, with the env's preset (``SFT_PRESETS``: alfworld, math_tir) and the
+    recipe flags below laid over it, unless ``joint``. Empty: every env with a preset."""
+    joint: bool = False
+    """One checkpoint trained on all ``envs`` together, from the ``SFTConfig`` defaults and the recipe flags
+    (no preset)."""
+    eval_episodes: int = 64
+    """Episodes per split in the evaluation after training (the train split and each eval split); 0 skips it."""
+    baseline: bool = False
+    """Also evaluate the untrained model."""
+    temperature: tuple[float, ...] = (0.0, 1.0)
+    """Evaluation sampling temperature(s); 0 is greedy."""
+    eval_batch: int = 32
+    """Episodes played concurrently in evaluation (one batched generation per turn)."""
+    threads: int = 1
+    """torch threads (more only for a lone process: with a busy neighbour two can be slower than one)."""
+    out: Path | None = None
+    """Also write the JSON report to this file."""
+
+    def __post_init__(self) -> None:
+        if self.eval_episodes < 0 or self.eval_batch < 1 or self.threads < 1:
+            raise ValueError(
+                "eval_episodes must be >= 0, eval_batch and threads >= 1; got "
+                f"{self.eval_episodes}, {self.eval_batch}, {self.threads}"
+            )
+
+
+_SFT_NO_FLAG = ("envs", "lora", "downsample")
+"""``SFTConfig`` fields without a ``streamrl sft`` flag: ``envs`` is ``SFTRunOptions.envs``; a LoRA config
+and downsampling rules are structured values, set in Python (or a preset)."""
+
+
+def parse_sft_args(argv: Sequence[str]) -> tuple[SFTRunOptions, list[SFTConfig]]:
+    """``streamrl sft``'s options and the ``SFTConfig`` of each checkpoint to build: the env's preset with
+    the recipe flags laid over it (or, with ``--joint``, one config from the defaults and the flags)."""
+    from streamrl.algorithms.sft import SFT_PRESETS, SFTConfig
+
+    parser = _parser("sft", SFTRunOptions.__doc__)
+    add_dataclass_arguments(parser.add_argument_group("run"), SFTRunOptions)
+    add_dataclass_arguments(
+        parser.add_argument_group("recipe (SFTConfig fields; default: the env's preset)"),
+        SFTConfig,
+        exclude=_SFT_NO_FLAG,
+        default_help="default: {default}, unless the env's preset sets it",
+    )
+    args = parser.parse_args(list(argv))
+    options = _build(parser, SFTRunOptions, args)
+    overrides = given_arguments(SFTConfig, args)
+    envs = options.envs or tuple(sorted(SFT_PRESETS))
+    try:
+        if options.joint:
+            return options, [SFTConfig(envs=envs, **overrides)]
+        return options, [SFTConfig.for_env(name, **overrides) for name in envs]
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
+
+
+def _sft(argv: Sequence[str]) -> int:
+    import torch
+    from streamrl.agents.base import SamplingParams
+    from streamrl.agents.env_specs import env_spec
+    from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
+    from streamrl.agents.models import resolve_model
+    from streamrl.algorithms.sft import sft_checkpoint
+    from streamrl.evaluation.harness import evaluate
+
+    options, configs = parse_sft_args(argv)
+    torch.set_num_threads(options.threads)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    report: dict[str, Any] = {"checkpoints": []}
+    for config in configs:
+        started = time.perf_counter()
+        path = sft_checkpoint(config, log)
+        entry: dict[str, Any] = {
+            "checkpoint": str(path),
+            "sft": json.loads((path / "streamrl_sft.json").read_text()),
+            "checkpoint_s": round(time.perf_counter() - started, 1),
+            "eval": [],
+        }
+        report["checkpoints"].append(entry)
+        if not options.eval_episodes:
+            continue
+        models = [("sft", str(path))] + (
+            [("untrained", str(resolve_model(config.model)))] if options.baseline else []
+        )
+        for label, model_dir in models:
+            backend = HFBackend(model_dir, config=HFBackendConfig(device="cpu"))
+            for name in config.envs:
+                spec = env_spec(name)
+                for temperature in options.temperature:
+                    for split in (spec.train_split, *spec.eval_splits):
+                        sampling = SamplingParams(max_new_tokens=spec.max_new_tokens, temperature=temperature)
+                        result = evaluate(
+                            backend, name, split, options.eval_episodes, sampling, options.eval_batch
+                        )
+                        result["model"] = label
+                        result["temperature"] = temperature
+                        log(json.dumps(result))
+                        entry["eval"].append(result)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if options.out is not None:
+        options.out.write_text(text)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# streamrl alfworld-generate
+
+
+@dataclass(frozen=True)
+class ALFWorldGenerateOptions:
+    """``streamrl alfworld-generate``: generate the offline ALFWorld game splits into the streamrl cache (on
+    the real TextWorld engine, each game with a walkthrough verified to win)."""
+
+    split: tuple[str, ...] = ()
+    """Splits to generate (train, eval_seen, eval_unseen); empty: all three."""
+
+
+def _alfworld_generate(argv: Sequence[str]) -> int:
+    from streamrl.envs.alfworld_gen import SPLITS, GenerationConfig, ensure_split
+
+    parser = _parser("alfworld-generate", ALFWorldGenerateOptions.__doc__)
+    add_dataclass_arguments(parser, ALFWorldGenerateOptions)
+    add_dataclass_arguments(
+        parser.add_argument_group("split sizes and cache (GenerationConfig)"), GenerationConfig
+    )
+    args = parser.parse_args(argv)
+    options = _build(parser, ALFWorldGenerateOptions, args)
+    config = _build(parser, GenerationConfig, args)
+    unknown = [s for s in options.split if s not in SPLITS]
+    if unknown:
+        parser.error(f"unknown split(s) {unknown}; valid: {list(SPLITS)}")
+    for split in options.split or SPLITS:
+        paths = ensure_split(split, config, progress=True)
+        print(f"{split}: {len(paths)} games in {paths[0].parent.parent if paths else config.root() / split}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# streamrl train
+
+
+@dataclass(frozen=True)
+class TrainRunOptions:
+    """``streamrl train``: train a policy with SPO, SPO++, GRPO, SAO or your own algorithm on the
+    single-stream runtime; writes the run directory (config, metrics.jsonl, TensorBoard, policies, checkpoints)."""
+
+    config: Path | None = None
+    """A YAML file of TrainConfig fields (with ``learner:`` and ``algorithm:`` sections); flags override it."""
+    resume: Path | None = None
+    """Continue the run in this directory from its last checkpoint (its saved config; flags must agree)."""
+    progress: bool = True
+    """Show a progress bar (``--no-progress`` for logs)."""
+
+
+_TRAIN_NO_FLAG = ("learner", "algorithm")
+
+
+def parse_train_args(argv: Sequence[str]) -> tuple[TrainRunOptions, Any]:
+    """``streamrl train``'s options and the ``TrainConfig``: defaults < ``--config`` YAML (or the resumed
+    run's config) < flags. The algorithm's own fields (those of ``--algo``'s config class) are flags too."""
+    from streamrl.algorithms.base import algorithm_class
+    from streamrl.algorithms.learner import LearnerConfig
+    from streamrl.algorithms.train import TrainConfig
+    from streamrl.evaluation.config_cli import dataclass_from_dict, load_config_file
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--algo", default=None)
+    pre.add_argument("--config", type=Path, default=None)
+    pre.add_argument("--resume", type=Path, default=None)
+    known, _ = pre.parse_known_args(list(argv))
+    base: dict[str, Any] = {}
+    if known.resume is not None:
+        saved = known.resume / "config.json"
+        if not saved.is_file():
+            raise SystemExit(f"streamrl train: --resume {known.resume}: no run there (no config.json)")
+        base = json.loads(saved.read_text())
+    elif known.config is not None:
+        base = load_config_file(known.config)
+    algo = known.algo or base.get("algo") or TrainConfig.algo
+    try:
+        algo_cls = algorithm_class(algo)
+    except (ValueError, FileNotFoundError) as error:
+        raise SystemExit(f"streamrl train: {error}") from None
+
+    parser = _parser("train", TrainRunOptions.__doc__)
+    add_dataclass_arguments(parser.add_argument_group("run"), TrainRunOptions)
+    add_dataclass_arguments(
+        parser.add_argument_group("training (TrainConfig)"), TrainConfig, exclude=_TRAIN_NO_FLAG
+    )
+    add_dataclass_arguments(
+        parser.add_argument_group("learner (LearnerConfig)"), LearnerConfig, exclude=("lora_target_modules",)
+    )
+    add_dataclass_arguments(
+        parser.add_argument_group(f"algorithm ({algo_cls.config_class.__name__} of --algo {algo})"),
+        algo_cls.config_class,
+        default_help="default: {default}, unless the env's preset sets it",
+    )
+    args = parser.parse_args(list(argv))
+    options = _build(parser, TrainRunOptions, args)
+    try:
+        values = dict(base)
+        values.update(given_arguments(TrainConfig, args))
+        learner = dict(values.get("learner") or {})
+        learner.update(given_arguments(LearnerConfig, args))
+        values["learner"] = dataclass_from_dict(LearnerConfig, learner, "learner")
+        algorithm = dict(values.get("algorithm") or {})
+        algorithm.update(given_arguments(algo_cls.config_class, args))
+        values["algorithm"] = algorithm
+        if options.resume is not None:
+            values["out"] = str(options.resume)
+        config = TrainConfig.from_dict(values)
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
+    return options, config
+
+
+def _train(argv: Sequence[str]) -> int:
+    from streamrl.algorithms.train import ConfigError, train
+
+    options, config = parse_train_args(argv)
+    try:
+        summary = train(config, resume=options.resume is not None, progress=options.progress)
+    except ConfigError as error:
+        print(f"streamrl train: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Dispatch
+
+
+def _parser(command: str, doc: str | None) -> argparse.ArgumentParser:
+    """The parser of one subcommand; its description is the options class's docstring after the colon."""
+    description = " ".join((doc or "").split(":", 1)[-1].split())
+    return argparse.ArgumentParser(
+        prog=f"streamrl {command}", description=description[:1].upper() + description[1:]
+    )
+
+
+def _build(parser: argparse.ArgumentParser, cls: type[T], args: argparse.Namespace) -> T:
+    """``cls`` from the parsed flags; an invalid value exits with the usage and the dataclass's message."""
+    try:
+        return dataclass_from_args(cls, args)
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
+
+
+COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
+    "demo": ("play Math-TIR with the scripted solver through the real sandbox", _demo),
+    "train": ("train a policy (SPO, SPO++, GRPO, SAO or your own) on the single-stream runtime", _train),
+    "sft": ("behaviour-clone a model on expert trajectories (SFT cold start), then evaluate it", _sft),
+    "alfworld-generate": ("generate the offline ALFWorld game splits into the cache", _alfworld_generate),
+}
+"""Subcommand -> (one-line help, ``run(argv) -> exit status``). Each subcommand builds its own parser, so
+its imports (torch, the ALFWorld engine) happen only when it runs."""
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser: ``streamrl <subcommand> [flags]``; the flags are the subcommand's."""
     parser = argparse.ArgumentParser(prog="streamrl", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="play Math-TIR with the scripted solver through the real sandbox")
-    demo.add_argument("--episodes", type=int, default=20, help="episodes to play (default 20)")
-    demo.add_argument("--show", type=int, default=2, help="transcripts to print (default 2)")
-    demo.add_argument("--split", default="test", choices=["train", "test"], help="task split (default test)")
-    demo.add_argument("--seed", type=int, default=0, help="first reset seed (default 0)")
-    sub.add_parser(
-        "alfworld-generate",
-        help="generate the offline ALFWorld splits into the cache (options: see --help of the subcommand)",
-        add_help=False,
-    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="subcommand")
+    for name, (help_text, _) in COMMANDS.items():
+        sub.add_parser(name, help=f"{help_text} (streamrl {name} --help)", add_help=False)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``streamrl <subcommand> ...`` (``argv`` defaults to ``sys.argv[1:]``); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "alfworld-generate":
-        return _alfworld_generate(args, rest)
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.command == "demo":
-        if args.episodes < 1:
-            parser.error(f"--episodes must be >= 1, got {args.episodes}")
-        return _demo(args)
-    parser.error(f"unknown command {args.command!r}")
+    if argv and argv[0] in COMMANDS:
+        _, run = COMMANDS[argv[0]]
+        return run(argv[1:])
+    build_parser().parse_args(argv)  # --help, or an error naming the valid subcommands
     return 2
 
 

@@ -197,22 +197,6 @@ def test_extra_games_on_a_fresh_cache_with_two_workers_do_not_deadlock(tmp_path:
     assert json.loads((split_root / task_id.split("/")[2] / "game.tw-pddl").read_text()) == game
 
 
-def test_cli_generates_into_the_given_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = [
-        "--split",
-        "eval_unseen",
-        "--eval-unseen-size",
-        "2",
-        "--cache-dir",
-        str(tmp_path),
-        "--workers",
-        "1",
-    ]
-    assert gen.main(argv) == 0
-    games = sorted((tmp_path / f"gen-v{gen.GENERATOR_VERSION}" / "eval_unseen").glob("*/game.tw-pddl"))
-    assert len(games) == 2 and "eval_unseen: 2 games" in capsys.readouterr().out
-
-
 def test_alfworlds_own_env_reads_the_generated_games(split_files: dict[str, list[Path]]) -> None:
     """alfworld's AlfredTWEnv (with its hand-coded expert) loads our folder tree as it would the official data."""
     from alfworld.agents.environment import get_environment
@@ -252,5 +236,3 @@ def test_bad_arguments_are_explained() -> None:
         gen.ensure_split("test")
     with pytest.raises(ValueError, match="malformed ALFWorld task id 'alfworld/dev/1'"):
         gen.parse_task_id("alfworld/dev/1")
-    with pytest.raises(SystemExit):
-        gen.main(["--split", "valid"])

@@ -1,4 +1,4 @@
-"""Advantages and normalizations against the spec oracles (T1, T7, T10) and their defining properties."""
+"""Advantages and normalizations against the oracles T1, T7, T10 of docs/reference.md and their defining properties."""
 
 from __future__ import annotations
 
@@ -160,6 +160,15 @@ def test_t7_group_of_one() -> None:
         group_advantages(t([1.0, 0.0, 1.0]), ["a", "a", "b"])
 
 
+def test_group_and_whitening_choices_are_refused_with_the_valid_set() -> None:
+    with pytest.raises(ValueError, match=r"scale must be one of \('group', 'batch', 'none'\), got 'std'"):
+        group_advantages(t([1.0, 0.0]), ["a", "a"], scale="std")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"singleton must be one of \('error', 'raw', 'zero'\), got 'drop'"):
+        group_advantages(t([1.0, 0.0]), ["a", "b"], singleton="drop")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"eps_placement must be one of \('std', 'var'\), got 'both'"):
+        token_measure_normalize(t([1.0, 0.0]), prefix_mask([1, 2]), eps_placement="both")  # type: ignore[arg-type]
+
+
 def test_group_advantages_interleaved_groups_and_batch_scale() -> None:
     rewards = t([1, 5, 0, 7, 1])
     ids = ["a", "b", "a", "b", "a"]
@@ -200,7 +209,7 @@ def test_t10_length_adaptive_lambda() -> None:
     torch.testing.assert_close(
         length_adaptive_lambda(t([10, 1000])), t([0.9333333, 0.9993333]), atol=TOL, rtol=0
     )
-    assert float(length_adaptive_lambda(t([0.5]))[0]) == 0.0  # clamped [INF]
+    assert float(length_adaptive_lambda(t([0.5]))[0]) == 0.0  # clamped (decision D10)
 
 
 def _reference_gae_on_actions(

@@ -1,14 +1,17 @@
-"""Losses against the spec oracles (T8, T9, T11, T12, T13) and their defining properties."""
+"""Losses against the oracles T8, T9, T11, T12, T13 of docs/reference.md and their defining properties."""
 
 from __future__ import annotations
 
 import math
+from typing import get_args
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from streamrl.algorithms.losses import (
+    AggMode,
+    LossAggregation,
     aggregate_loss,
     clipped_value_loss,
     dis_policy_loss,
@@ -17,6 +20,7 @@ from streamrl.algorithms.losses import (
     ppo_clip_token_loss,
     ppo_policy_loss,
     rollout_importance_weights,
+    sft_loss,
 )
 
 F64 = torch.float64
@@ -240,12 +244,26 @@ def test_t11_kl_estimators() -> None:
 def test_t12_aggregation(mode: str, expected: float) -> None:
     loss = t([[1, 2, 99, 99], [3, 4, 5, 6]])
     mask = t([[1, 1, 0, 0], [1, 1, 1, 1]])
-    assert float(aggregate_loss(loss, mask, mode)) == pytest.approx(expected, abs=TOL)  # type: ignore[arg-type]
+    assert float(aggregate_loss(loss, mask, LossAggregation(mode))) == pytest.approx(expected, abs=TOL)  # type: ignore[arg-type]
 
 
 def test_aggregation_rejects_unknown_modes() -> None:
     with pytest.raises(ValueError, match="unknown aggregation mode"):
-        aggregate_loss(torch.zeros(1, 1), torch.ones(1, 1), "mean")  # type: ignore[arg-type]
+        LossAggregation("mean")  # type: ignore[arg-type]
+
+
+def test_closed_choices_follow_the_literal_types_and_errors_name_them() -> None:
+    """The accepted values are the Literal aliases' members; anything else is refused with the valid set."""
+    zeros, mask = torch.zeros(1, 2, dtype=F64), torch.ones(1, 2, dtype=F64)
+    assert list(get_args(AggMode)) == AGG_MODES
+    for mode in get_args(AggMode):
+        aggregate_loss(zeros, mask, LossAggregation(mode))
+    with pytest.raises(ValueError, match=r"mode must be one of \('truncate', 'mask'\), got 'clip'"):
+        rollout_importance_weights(zeros, zeros, mask, mode="clip")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"level must be one of \('token', 'sequence'\), got 'batch'"):
+        rollout_importance_weights(zeros, zeros, mask, level="batch")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"form must be one of \('ratio', 'logp'\), got 'prob'"):
+        dis_policy_loss(zeros, zeros, t([1.0]), mask, form="prob")  # type: ignore[arg-type]
 
 
 @settings(max_examples=40, deadline=None)
@@ -262,12 +280,11 @@ def test_micro_batches_with_global_counts_sum_to_the_full_batch(
     token_loss = torch.randn(batch, width, generator=gen, dtype=F64)
     mask = (torch.rand(batch, width, generator=gen) > 0.3).to(F64)
     mask[:, 0] = 1
-    counts = {"num_tokens": float(mask.sum()), "num_sequences": batch, "max_tokens": width}
     for mode in AGG_MODES:
-        full = aggregate_loss(token_loss, mask, mode)  # type: ignore[arg-type]
+        full = aggregate_loss(token_loss, mask, LossAggregation(mode))  # type: ignore[arg-type]
+        whole = LossAggregation.of_batch(mask, mode)  # type: ignore[arg-type]
         parts = sum(
-            aggregate_loss(token_loss[rows], mask[rows], mode, **counts)  # type: ignore[arg-type]
-            for rows in torch.arange(batch).chunk(micro)
+            aggregate_loss(token_loss[rows], mask[rows], whole) for rows in torch.arange(batch).chunk(micro)
         )
         assert float(parts) == pytest.approx(float(full), abs=1e-12), mode
 
@@ -285,7 +302,12 @@ def test_ppo_gradient_accumulation_over_micro_batches_matches_the_full_batch() -
         total = (
             total
             + ppo_policy_loss(
-                logp[rows], old[rows], adv[rows], mask[rows], dual_clip_c=2.0, num_tokens=float(mask.sum())
+                logp[rows],
+                old[rows],
+                adv[rows],
+                mask[rows],
+                dual_clip_c=2.0,
+                agg=LossAggregation.of_batch(mask),
             ).loss
         )
     (g_micro,) = torch.autograd.grad(total, logp)
@@ -311,3 +333,26 @@ def test_clipped_value_loss() -> None:
     assert float(plain.loss.detach()) == pytest.approx(0.5 * (0.0 + 0.04) / 2)
     perfect = clipped_value_loss(returns.clone(), returns, returns, mask)
     assert float(perfect.explained_variance) == pytest.approx(1.0)
+
+
+def test_sft_loss_counts_only_action_tokens() -> None:
+    # Real expert data through the tiny model, against a per-sequence full-logit computation.
+    from streamrl.agents.logprobs import token_logprobs
+    from streamrl.agents.models import load_model, load_tokenizer, resolve_model
+    from streamrl.agents.teacher_forcing import expert_trajectories, sequences_of
+
+    tokenizer = load_tokenizer(resolve_model("tiny"))
+    seqs = sequences_of(expert_trajectories("math_tir", tokenizer, limit=2))
+    model = load_model(resolve_model("tiny"))
+    loss, n = sft_loss(model, seqs, tokenizer.pad_token_id)
+    assert n == sum(s.num_action_tokens for s in seqs)
+    manual, context = [], []
+    for s in seqs:  # one sequence at a time, no padding, full logits
+        lp = token_logprobs(model, torch.tensor([s.token_ids]), torch.ones(1, len(s), dtype=torch.long))[0]
+        manual += [-lp[i - 1].item() for i, m in enumerate(s.action_mask) if m]
+        context += [-lp[i - 1].item() for i, m in enumerate(s.action_mask) if i and not m]
+    assert abs(loss.item() - sum(manual) / len(manual)) < 1e-4
+    # With a context weight, every other real token (not the padding) is a language-modelling target too.
+    loss, n = sft_loss(model, seqs, tokenizer.pad_token_id, context_weight=0.25)
+    assert n == len(manual) and len({len(s) for s in seqs}) > 1  # the batch really is padded
+    assert abs(loss.item() - (sum(manual) / len(manual) + 0.25 * sum(context) / len(context))) < 1e-4

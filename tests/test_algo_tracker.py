@@ -1,4 +1,4 @@
-"""The event tracker against the spec oracles (T2-T6), its order invariance, persistence and errors."""
+"""The event tracker against the oracles T2-T6 of docs/reference.md, its order invariance, persistence and errors."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_t2_t5_receipt_order_update_uses_the_pre_update_baseline() -> None:
     assert receipt.advantage == pytest.approx(0.6111111, abs=TOL)  # not 1 - 0.4634146
     assert tracker.evidence("x") == pytest.approx((3.8, 4.4), abs=TOL)
     assert tracker.value("x") == pytest.approx(0.4634146, abs=TOL)
-    eta = 1 / (0.9 * 8 + 1)  # the adaptive-EMA form of SPO §3.1
+    eta = 1 / (0.9 * 8 + 1)  # the adaptive-EMA form of reference §3.1
     assert eta == pytest.approx(0.1219512, abs=TOL)
     assert tracker.value("x") == pytest.approx(0.3888889 + eta * (1 - 0.3888889), abs=1e-7)
 
@@ -373,6 +373,7 @@ def test_errors_name_the_offending_value() -> None:
         ({"rho_min": 0.97}, "rho_min <= rho_max"),
         ({"prior_mass": -1.0}, "prior_mass"),
         ({"reward_domain": "real"}, "reward_domain"),
+        ({"retention": "kl"}, r"retention must be one of \('constant', 'drift'\), got 'kl'"),
     ],
 )
 def test_config_validation(kwargs: dict, match: str) -> None:

@@ -53,7 +53,7 @@ def test_size_takes_a_prefix_and_mixed_interleaves() -> None:
     assert len(mixed) == 600
     assert [t.source for t in mixed[:4]] == ["gsm_symbolic", "procedural", "gsm_symbolic", "procedural"]
     with pytest.raises(ValueError, match="source"):
-        task_set("gsm8k", "train")
+        task_set("gsm8k", "train")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="split"):
         task_set("mixed", "validation")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="size"):

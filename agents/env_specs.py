@@ -1,0 +1,230 @@
+"""Env specs: which gym env, splits, prompt format, context policy and expert belong to an env name.
+
+An ``LLMAgent`` plays an env well only through the prompt format and context policy it was trained with, and
+the SFT cold start clones an expert through exactly that rendering. ``EnvSpec`` binds the four together per
+env name (``ENV_SPECS``), so teacher forcing (``streamrl.agents.teacher_forcing``), SFT training
+(``streamrl.algorithms.sft``) and evaluation (``streamrl.evaluation.harness``) build the same env, agent and
+task list from one name. ``play_tasks`` is the one loop that plays a spec's tasks with an LLM agent.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from streamrl.agents.base import Agent, GenerationBackend, SamplingParams
+from streamrl.agents.llm_agent import ContextPolicy, LLMAgent
+from streamrl.agents.prompts import ALFWorldPrompt, MathTIRPrompt, PromptFormat
+from streamrl.agents.rollout import LockstepResult, play_lockstep
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """How the agents layer plays one env: gym id, splits, prompt format, context policy, expert."""
+
+    gym_id: str
+    train_split: str
+    eval_splits: tuple[str, ...]
+    prompt: Callable[[], PromptFormat]
+    context: ContextPolicy
+    max_new_tokens: int
+    expert: Callable[[Any], Agent]
+    """Builds the expert for a given env instance (the Math solver needs the env's task records)."""
+    env_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    task_filter: Callable[[Any], Callable[[str], bool]] | None = None
+    """Given an env instance, a predicate on task ids: the tasks SFT trains on and ``evaluate`` plays."""
+    synthetic_tasks: Callable[[int, int], dict[str, Any]] | None = None
+    """``(n, seed) ->`` env kwargs (over ``env_kwargs``) of an env whose tasks are ``n`` extra generated training
+    tasks, none of them in an eval split; ``None`` if the env has no generator."""
+    held_out_tasks: Callable[[int, int], dict[str, Any]] | None = None
+    """Like ``synthetic_tasks`` but for model selection (``SFTConfig.select_best_of``): ``(n, seed) ->`` env kwargs
+    of ``n`` generated tasks drawn apart from the training ones of any seed; ``None``: no selection possible."""
+    random_action: Callable[[Mapping[str, Any], random.Random], str] | None = None
+    """``(info, rng) -> action``: a random action for DART-style noise in expert episodes, or ``None`` (no
+    noise possible)."""
+    expert_env_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Env kwargs (over ``env_kwargs``) while the expert plays, e.g. a longer step budget for its searches."""
+
+    def llm_agent(self, backend: GenerationBackend, sampling: SamplingParams | None = None) -> LLMAgent:
+        """An ``LLMAgent`` on ``backend`` with this env's prompt format and context policy; ``sampling``
+        defaults to temperature 1 and the spec's ``max_new_tokens``."""
+        # No per-call seed by default: a fixed one would replay the same random draws at every turn. The
+        # backend's own generator (e.g. HFBackendConfig.seed) makes a run reproducible instead.
+        sampling = sampling or SamplingParams(max_new_tokens=self.max_new_tokens)
+        return LLMAgent(backend, prompt_format=self.prompt(), sampling=sampling, context=self.context)
+
+
+def _alfworld_expert(env: Any) -> Agent:
+    from streamrl.agents.alfworld_agents import ALFWorldSearchAgent
+
+    return ALFWorldSearchAgent()
+
+
+def _alfworld_random_action(info: Mapping[str, Any], rng: random.Random) -> str:
+    """A random admissible command ("help" left out: its long reply says nothing about the room), a quarter
+    of the time with its number changed ("open drawer 2" -> "open drawer 5"): mostly an inadmissible command,
+    the typical slip of a small model, after which the expert shows how to go on from "Nothing happens."."""
+    commands = sorted(str(c) for c in info.get("admissible_commands") or [] if c != "help")
+    command = rng.choice(commands) if commands else "look"
+    head, _, number = command.rpartition(" ")
+    if number.isdigit() and rng.random() < 0.25:
+        command = f"{head} {rng.choice([n for n in range(1, 10) if n != int(number)])}"
+    return command
+
+
+def _alfworld_extra_games(n: int, seed: int) -> dict[str, Any]:
+    """Games ``128 .. 128 + n - 1`` of the generated ``train`` split: more rooms and goals of ALFRED's training
+    floor plans, beyond the 128 games RL trains on (the SPO++ paper's training-set size); none is an eval game.
+    A generated game depends only on its index, so every seed gets the same games (the seed still shuffles the
+    training order). Generated on first use (~0.5 CPU-second a game, cached with the split)."""
+    from streamrl.envs.alfworld_gen import GenerationConfig, ensure_split
+
+    if n < 0:
+        raise ValueError(f"the number of extra ALFWorld games must be >= 0, got {n}")
+    first = GenerationConfig().train
+    paths = ensure_split("train", GenerationConfig(train=first + n))
+    return {"game_files": [str(p) for p in paths[first:]]}
+
+
+def _math_expert(env: Any) -> Agent:
+    from streamrl.agents.math_solver import MathSolverAgent
+
+    agent: Agent = MathSolverAgent(env.unwrapped.tasks)
+    return agent
+
+
+MATH_SFT_FAMILIES: tuple[str, ...] = ("mod", "combin", "series")
+"""Procedural Math-TIR families the SFT recipe trains and evaluates on: their reference programs are one line
+(``print(pow(30, 170, 46))``, ``print(math.comb(11, 3))``, ``print(sum(7 + 3 * i for i in range(25)))``), so a
+~2M-parameter model trained from scratch only has to learn to copy two or three numbers from the question into
+the program and the tool's output into ``\\boxed{}``. Longer programs need a pretrained model."""
+
+
+def _math_family_filter(env: Any) -> Callable[[str], bool]:
+    family = {t.task_id: t.meta.get("family") for t in env.unwrapped.tasks}
+    return lambda task_id: family.get(task_id) in MATH_SFT_FAMILIES
+
+
+def _math_synthetic_tasks(n: int, seed: int) -> dict[str, Any]:
+    """``n`` fresh procedural problems of ``MATH_SFT_FAMILIES`` (a seed of their own), none of whose questions
+    is in the held-out ``test`` split: cheap extra expert data, since copying numbers is learnt from variety."""
+    from streamrl.envs.math_tasks import procedural_records, procedural_tasks, sample_procedural
+
+    if n < 0:
+        raise ValueError(f"the number of synthetic tasks must be >= 0, got {n}")
+    held_out = frozenset(t.question for t in procedural_tasks("test"))
+    raw = sample_procedural(f"streamrl-sft-math-{seed}", n, exclude=held_out, families=MATH_SFT_FAMILIES)
+    return {"tasks": list(procedural_records(raw, f"sft-synthetic/{seed}/", "train"))}
+
+
+def _math_held_out_tasks(n: int, seed: int) -> dict[str, Any]:
+    """Validation problems: a draw with seed ``-1 - seed``, apart from the training draws of every seed >= 0."""
+    return _math_synthetic_tasks(n, -1 - seed)
+
+
+ENV_SPECS: dict[str, EnvSpec] = {
+    "alfworld": EnvSpec(
+        gym_id="streamrl/ALFWorld-v0",
+        train_split="train",
+        eval_splits=("eval_seen", "eval_unseen"),
+        # The expert (ALFWorldSearchAgent) decides from the task, the room description (both in the first
+        # observation, which a window always keeps), the current observation and the admissible commands, so
+        # the policy sees exactly that: a window of one past turn, and the admissible commands without the
+        # ~25 "go to" ones (the room description names every receptacle), one per line so that a listed
+        # command is the same token string as the reply that issues it (~320 tokens a turn). Measured with
+        # the omniscient walkthrough expert instead (its moves cannot be inferred from the observations):
+        # 0% success in every variant (full history or window, with or without the list, 6-20 epochs).
+        prompt=lambda: ALFWorldPrompt(list_admissible=True, list_go_to=False, one_command_per_line=True),
+        context=ContextPolicy(mode="window", window_turns=1, max_context_tokens=1024),
+        max_new_tokens=24,
+        expert=_alfworld_expert,
+        env_kwargs={"max_steps": 50},  # ALFWorld's own limit
+        random_action=_alfworld_random_action,
+        # Searching takes long in kitchens with many closed cabinets: the expert wins 111/128 training games
+        # within 50 steps, all 128 within 100 (tests/test_alfworld_agents.py).
+        expert_env_kwargs={"max_steps": 100},
+        synthetic_tasks=_alfworld_extra_games,
+    ),
+    "math_tir": EnvSpec(
+        gym_id="streamrl/MathTIR-v0",
+        train_split="train",
+        eval_splits=("test",),
+        prompt=MathTIRPrompt,
+        context=ContextPolicy(mode="full", max_context_tokens=2048),
+        max_new_tokens=160,
+        expert=_math_expert,
+        # The procedural families (short reference programs such as ``print(pow(30, 170, 46))``) are what a
+        # ~2M-parameter model can clone in minutes; GSM-symbolic word problems need a pretrained model.
+        env_kwargs={"source": "procedural", "max_tool_calls": 2, "max_turns": 4},
+        task_filter=_math_family_filter,
+        synthetic_tasks=_math_synthetic_tasks,
+        held_out_tasks=_math_held_out_tasks,
+    ),
+}
+
+
+def env_spec(name: str) -> EnvSpec:
+    """The spec of env ``name``; a ``ValueError`` naming the valid names if there is none."""
+    if name not in ENV_SPECS:
+        raise ValueError(f"unknown env {name!r}; valid: {sorted(ENV_SPECS)}")
+    return ENV_SPECS[name]
+
+
+def make_env(name: str, split: str, **kwargs: Any) -> Any:
+    """The gym env of ``name`` on ``split`` (with the spec's extra kwargs, then ``kwargs``)."""
+    import gymnasium as gym
+    import streamrl.envs  # noqa: F401  (registers the ids)
+
+    spec = env_spec(name)
+    return gym.make(spec.gym_id, split=split, **{**dict(spec.env_kwargs), **kwargs})
+
+
+def task_ids_of(env: Any, env_name: str | None = None) -> list[str]:
+    """Stable task ids an env can play, in its split order (``task_ids``, or the ids of ``tasks``).
+
+    With ``env_name``, only the tasks its spec's ``task_filter`` keeps (the ones SFT trains and evaluates on).
+    """
+    inner = env.unwrapped
+    if hasattr(inner, "task_ids"):
+        ids = inner.task_ids
+        out = list(ids() if callable(ids) else ids)
+    elif hasattr(inner, "tasks"):
+        out = [t.task_id for t in inner.tasks]
+    else:
+        raise TypeError(
+            f"{type(inner).__name__} exposes neither task_ids nor tasks; cannot enumerate its tasks"
+        )
+    task_filter = env_spec(env_name).task_filter if env_name is not None else None
+    if task_filter is not None:
+        keep = task_filter(env)
+        out = [t for t in out if keep(t)]
+    return out
+
+
+def play_tasks(
+    agent: Agent,
+    env_name: str,
+    split: str,
+    episodes: int,
+    batch_size: int = 16,
+    env_kwargs: Mapping[str, Any] | None = None,
+) -> LockstepResult:
+    """Play the first ``episodes`` tasks of ``split`` that env ``env_name``'s spec trains and evaluates on
+    (``task_ids_of``), ``batch_size`` envs at a time in lock-step (``play_lockstep``); returns the counts.
+
+    ``env_kwargs`` go to every env (e.g. ``tasks=`` for a generated task set). The envs are closed on return.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    extra = dict(env_kwargs or {})
+    envs = [make_env(env_name, split, **extra)]
+    try:
+        task_ids = task_ids_of(envs[0], env_name)[:episodes]
+        while len(envs) < min(batch_size, len(task_ids)):
+            envs.append(make_env(env_name, split, **extra))
+        return play_lockstep(agent, envs, task_ids)
+    finally:
+        for env in envs:
+            env.close()

@@ -1,0 +1,279 @@
+"""The algorithm interface: what an RL algorithm decides, and nothing the runtime or learner already does.
+
+An algorithm module (``spo.py``, ``spo_pp.py``, ``grpo.py``, ``sao.py``, or a user's own) answers five
+questions, each a small method or config field next to its paper's equation:
+
+1. **Which tracker.** ``tracker_config(seed)``: event-time memory (SPO++), receipt-order with drift (SPO) or
+   bookkeeping only (GRPO, SAO).
+2. **Which trajectories form a batch.** ``config.batch_rule``: ``"current-version"`` (the first completed
+   requests of the current policy version; older work is recorded in the tracker but not trained -- SPO++
+   §2.4), ``"any"`` (first completed, any version within the runtime's staleness bound -- SPO, SAO) or
+   ``"groups"`` (complete groups of ``config.group_size`` rollouts of one task -- GRPO).
+3. **When outcomes reach the tracker.** ``on_complete`` (default: when the episode returns, so later
+   dispatches see it -- SPO++ Eq. 3) and ``after_update`` (SPO records after its update, with drift).
+4. **The advantages.** ``advantages(episodes)``: one value per episode (broadcast to its action tokens) or
+   one per action token (GAE), normalized as the paper says.
+5. **The loss terms.** ``policy_loss(inputs)`` on one micro-batch, aggregated with the update batch's
+   global counts (``inputs.agg``); an optional ``critic`` (SAO) brings its own model and loss.
+
+Everything else -- dispatching, env stepping, batching, staleness, micro-batching, the optimizer,
+publication, checkpoints -- is shared, so swapping the algorithm is one argument (``make_algorithm``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
+
+import torch
+from streamrl.agents.trajectory import Trajectory
+from streamrl.algorithms.losses import LossAggregation, PolicyLoss
+from streamrl.algorithms.tracker import EventTracker, Ticket, TrackerConfig
+
+if TYPE_CHECKING:
+    from streamrl.algorithms.learner import Learner
+
+BatchRule = Literal["current-version", "any", "groups"]
+BATCH_RULES: tuple[str, ...] = ("current-version", "any", "groups")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """Fields every algorithm has; each algorithm's config adds its own hyperparameters."""
+
+    batch_rule: BatchRule = "any"
+    """Which finished trajectories form an update batch (module doc, point 2)."""
+    group_size: int = 1
+    """Rollouts dispatched together per task (GRPO's G); 1 = single-stream."""
+    publish_every: int = 1
+    """Updates per published policy version (SPO++ Table 3: 1 on ALFWorld, 2 on Math-TIR)."""
+
+    def __post_init__(self) -> None:
+        if self.batch_rule not in BATCH_RULES:
+            raise ValueError(f"batch_rule must be one of {BATCH_RULES}, got {self.batch_rule!r}")
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        if self.batch_rule == "groups" and self.group_size < 2:
+            raise ValueError(f"batch_rule='groups' needs group_size >= 2, got {self.group_size}")
+        if self.publish_every < 1:
+            raise ValueError(f"publish_every must be >= 1, got {self.publish_every}")
+
+
+@dataclass
+class Episode:
+    """A finished episode as the trainer sees it: the trajectory, the dispatcher's ticket, its group."""
+
+    trajectory: Trajectory
+    ticket: Ticket
+    group: int | None = None
+    """Dispatch group (GRPO: the G tickets of one task dispatched together); ``None`` for single-stream."""
+
+    @property
+    def task_id(self) -> str:
+        return self.ticket.task_id
+
+    @property
+    def reward(self) -> float:
+        return self.trajectory.reward
+
+    @property
+    def num_action_tokens(self) -> int:
+        return self.trajectory.num_action_tokens
+
+    @property
+    def min_version(self) -> int:
+        """The oldest policy version that generated any of its tokens (the ticket's, if none)."""
+        versions = [
+            v
+            for seq in self.trajectory.sequences
+            for v, m in zip(seq.token_versions, seq.action_mask, strict=True)
+            if m
+        ]
+        return min(versions, default=self.ticket.version)
+
+    @property
+    def failed(self) -> bool:
+        """A worker failure ended it (``info["error"]``): its outcome is not the policy's."""
+        return self.trajectory.info.get("error") is not None
+
+
+@dataclass
+class PolicyInputs:
+    """One micro-batch for ``Algorithm.policy_loss``: dense ``[b, T-1]`` tensors aligned with predictions.
+
+    ``mask`` is 1.0 on action tokens. ``logp`` carries the gradient; ``old_logp`` is the policy at the start
+    of the update (recomputed by the learner, the PPO ratio's denominator); ``rollout_logp`` what the
+    inference engine reported when sampling (the behaviour policy). ``agg`` holds the counts of the whole
+    (mini-)batch of this optimizer step, so the micro-batch losses sum to the full-batch loss.
+    """
+
+    logp: torch.Tensor
+    old_logp: torch.Tensor
+    rollout_logp: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    agg: LossAggregation
+    entropy: torch.Tensor | None = None
+    """Per-token entropy of the policy (no grad; diagnostics), or ``None``."""
+
+
+class Algorithm(ABC):
+    """Base class of SPO, SPO++, GRPO, SAO and user algorithms (see the module doc)."""
+
+    name: ClassVar[str] = ""
+    """Registry name (``make_algorithm(name)``, ``streamrl train --algo name``)."""
+    config_class: ClassVar[type[AlgorithmConfig]] = AlgorithmConfig
+
+    def __init__(self, config: AlgorithmConfig | None = None) -> None:
+        config = config if config is not None else self.config_class()
+        if not isinstance(config, self.config_class):
+            raise TypeError(
+                f"{type(self).__name__} takes a {self.config_class.__name__}, got {type(config).__name__}"
+            )
+        self.config = config
+
+    # -- 1. tracker ---------------------------------------------------------------------------------------
+    @abstractmethod
+    def tracker_config(self, seed: int) -> TrackerConfig:
+        """The event tracker this algorithm needs."""
+
+    # -- 3. outcomes -> tracker ---------------------------------------------------------------------------
+    def on_complete(self, tracker: EventTracker, episode: Episode) -> None:
+        """An episode returned (before any batch is formed). Default: file its outcome now (SPO++ Eq. 3),
+        so the tasks' values are fresh for the next dispatches."""
+        tracker.record(episode.ticket, episode.reward)
+
+    def after_update(
+        self, tracker: EventTracker, episodes: Sequence[Episode], learner: Learner
+    ) -> dict[str, float]:
+        """After the optimizer steps on ``episodes``; returns extra metrics. Default: nothing."""
+        return {}
+
+    # -- 4. advantages ------------------------------------------------------------------------------------
+    @abstractmethod
+    def advantages(self, episodes: Sequence[Episode]) -> list[float | torch.Tensor]:
+        """Per episode: a scalar (broadcast to all its action tokens) or a 1-D tensor with one value per
+        action token, in sequence order (as ``Trajectory.sequences`` holds them)."""
+
+    def keep_group(self, rewards: Sequence[float]) -> bool:
+        """``batch_rule="groups"`` only: whether a complete group enters the batch (DAPO drops groups whose
+        rewards are all equal). Dropped groups are ledgered, never silently lost."""
+        return True
+
+    # -- 5. loss ------------------------------------------------------------------------------------------
+    def aggregation(self, mask: torch.Tensor) -> LossAggregation:
+        """How the loss of one optimizer step is aggregated, built from that step's whole action mask.
+        Default: token-mean with the global token count (SPO, SPO++, SAO, DAPO)."""
+        return LossAggregation.of_batch(mask, "token-mean")
+
+    @abstractmethod
+    def policy_loss(self, inputs: PolicyInputs) -> PolicyLoss:
+        """The policy loss of one micro-batch (aggregated with ``inputs.agg``)."""
+
+    critic: Any = None
+    """An optional value model with its own optimizer (SAO); see ``streamrl.algorithms.sao``."""
+
+    # -- resume -------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """State to checkpoint beyond the config (e.g. SPO's stored responses). JSON or torch-saveable."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:  # noqa: B027 (optional hook)
+        """Restore what ``state_dict`` returned."""
+
+    def describe(self) -> dict[str, Any]:
+        """The resolved config, for the run directory."""
+        return {"name": self.name, **{f.name: getattr(self.config, f.name) for f in fields(self.config)}}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Registry
+# ---------------------------------------------------------------------------------------------------------
+
+ALGORITHMS: dict[str, type[Algorithm]] = {}
+"""Registered algorithms by name."""
+
+A = TypeVar("A", bound=type[Algorithm])
+
+
+def register_algorithm(cls: A) -> A:
+    """Class decorator: make ``cls`` available as ``make_algorithm(cls.name)`` and ``--algo cls.name``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} needs a class attribute name = '...' to be registered")
+    existing = ALGORITHMS.get(cls.name)
+    if existing is not None and existing is not cls and existing.__qualname__ != cls.__qualname__:
+        raise ValueError(f"algorithm name {cls.name!r} is already taken by {existing.__qualname__}")
+    ALGORITHMS[cls.name] = cls
+    return cls
+
+
+def _load_builtin() -> None:
+    for module in ("spo", "spo_pp", "grpo"):
+        importlib.import_module(f"streamrl.algorithms.{module}")
+
+
+def algorithm_class(spec: str) -> type[Algorithm]:
+    """An algorithm class by registry name (``"spo++"``), ``"package.module:Class"`` or ``"path.py:Class"``."""
+    _load_builtin()
+    if spec in ALGORITHMS:
+        return ALGORITHMS[spec]
+    if ":" in spec:
+        where, _, attr = spec.rpartition(":")
+        if where.endswith(".py"):
+            path = Path(where)
+            if not path.is_file():
+                raise FileNotFoundError(f"algorithm file {where!r} does not exist (from --algo {spec!r})")
+            mod_name = f"streamrl_user_{path.stem}"
+            module_spec = importlib.util.spec_from_file_location(mod_name, path)
+            assert module_spec is not None and module_spec.loader is not None
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[mod_name] = module
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+        cls = getattr(module, attr, None)
+        if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+            raise ValueError(f"{spec!r} does not name an Algorithm subclass (found {cls!r})")
+        return cls
+    raise ValueError(
+        f"unknown algorithm {spec!r}; valid: {', '.join(sorted(ALGORITHMS))}, "
+        "or 'module:Class' / 'file.py:Class' for your own"
+    )
+
+
+def make_algorithm(
+    spec: str, config: AlgorithmConfig | None = None, *, env: str | None = None, **overrides: Any
+) -> Algorithm:
+    """Build an algorithm by name with ``config``, or its env preset (a classmethod of its config class named
+    after ``env``, e.g. ``SPOPPConfig.math_tir()``), or its default config; then apply ``overrides``."""
+    cls = algorithm_class(spec)
+    preset = getattr(cls.config_class, env, None) if env is not None else None
+    if config is not None:
+        base = config
+    elif callable(preset):
+        base = preset()
+    else:
+        base = cls.config_class()
+    if overrides:
+        valid = {f.name for f in fields(base)}
+        unknown = sorted(set(overrides) - valid)
+        if unknown:
+            raise ValueError(f"{cls.name} has no option(s) {unknown}; valid: {sorted(valid)}")
+        base = type(base)(**{**{f.name: getattr(base, f.name) for f in fields(base)}, **overrides})
+    return cls(base)
+
+
+def scalar_advantages(
+    episodes: Sequence[Episode], compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> list[float | torch.Tensor]:
+    """Apply a per-trajectory estimator ``compute(A, L)`` (A: raw advantages R - baseline, L: action tokens)
+    and return one float per episode. Shared by SPO, SPO++ and user algorithms with a tracker baseline."""
+    raw = torch.tensor([e.reward - (e.ticket.baseline or 0.0) for e in episodes], dtype=torch.float64)
+    lengths = torch.tensor([e.num_action_tokens for e in episodes], dtype=torch.float64)
+    return [float(a) for a in compute(raw, lengths)]

@@ -1,0 +1,366 @@
+"""The learner: one optimizer step per (mini-)batch of finished episodes, shared by every algorithm.
+
+What it does for an update (``Learner.update``):
+
+1. Splits each episode into its training rows (``TokenSequence``s with action tokens) and spreads the
+   algorithm's advantages over the rows' action tokens.
+2. Recomputes the old log-probs -- the policy at the start of the update, the PPO ratio's denominator --
+   with the same code, temperature and precision as the training forward (``streamrl.agents.logprobs``), so
+   the ratio is exactly 1 before the first step and the rollout importance weight pi_old / pi_rollout
+   measures only the trainer/inference mismatch and staleness.
+3. For each of ``epochs`` x ``mini_batches`` optimizer steps: builds the step's loss aggregation once from
+   the whole step's action mask (``Algorithm.aggregation``: batch-global token count, so micro-batch losses
+   sum to the full-batch loss and SPO++'s zero-mean token measure holds across micro-batches), runs
+   length-sorted micro-batches of at most ``micro_batch_tokens`` padded tokens with gradient accumulation,
+   clips the gradient norm, steps AdamW and the warm-up + cosine schedule.
+
+Precision: fp32 on CPU; bf16 autocast on CUDA (log-probs and losses in fp32). Parameters: LoRA adapters
+(peft) or the full model (``LearnerConfig.finetune``; "auto" picks full fine-tuning below
+``full_finetune_max_params`` parameters, where an adapter's rank limits a tiny model more than it saves).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from streamrl.agents.batch import TokenBatch, collate
+from streamrl.agents.logprobs import selected_token_logprobs
+from streamrl.agents.lora import LoRAConfig, save_adapter, trainable_parameters, wrap_lora
+from streamrl.agents.trajectory import TokenSequence, Trajectory
+from streamrl.algorithms.base import PolicyInputs
+
+if TYPE_CHECKING:
+    from streamrl.algorithms.base import Algorithm, Episode
+
+Finetune = Literal["auto", "full", "lora"]
+Schedule = Literal["cosine", "constant"]
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    """Optimizer, parameters and batching of the learner."""
+
+    finetune: Finetune = "auto"
+    """``"lora"`` (peft adapters; right for models of billions of parameters), ``"full"``, or ``"auto"``: full
+    below ``full_finetune_max_params`` parameters, LoRA above."""
+    full_finetune_max_params: int = 50_000_000
+    """The ``"auto"`` threshold."""
+    lr: float | None = None
+    """AdamW peak learning rate; ``None`` = 1e-4 for full fine-tuning, 1e-4 for LoRA."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay (SPO++ App. A uses 0.1 at lr 1e-6)."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0."""
+    schedule: Schedule = "cosine"
+    """After warm-up: ``"cosine"`` decay to ``min_lr_ratio`` x lr over the run, or ``"constant"``."""
+    min_lr_ratio: float = 0.1
+    """Where the cosine decay ends, as a fraction of the peak."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clipping per optimizer step."""
+    mini_batches: int = 1
+    """Optimizer steps per update (PPO mini-batches, split by episode); SPO++ App. A: 1."""
+    epochs: int = 1
+    """Passes over the update batch (PPO epochs); SPO++: 1."""
+    micro_batch_tokens: int = 16384
+    """Padded tokens per forward pass (rows x longest row); gradient accumulation makes it a memory knob only."""
+    lora_rank: int = 16
+    lora_alpha: int = 32
+    lora_target_modules: str | tuple[str, ...] = "all-linear"
+    device: str = "auto"
+    """``"auto"`` = CUDA when available, else CPU."""
+
+    def __post_init__(self) -> None:
+        if self.finetune not in ("auto", "full", "lora"):
+            raise ValueError(f"finetune must be 'auto', 'full' or 'lora', got {self.finetune!r}")
+        if self.schedule not in ("cosine", "constant"):
+            raise ValueError(f"schedule must be 'cosine' or 'constant', got {self.schedule!r}")
+        if self.lr is not None and self.lr < 0:
+            raise ValueError(f"lr must be >= 0, got {self.lr}")
+        for name in ("mini_batches", "epochs", "micro_batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+    def resolved_finetune(self, num_params: int) -> Literal["full", "lora"]:
+        if self.finetune != "auto":
+            return self.finetune
+        return "full" if num_params < self.full_finetune_max_params else "lora"
+
+    def resolved_lr(self, finetune: str) -> float:
+        return self.lr if self.lr is not None else 1e-4
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@dataclass
+class _Row:
+    episode: int
+    sequence: TokenSequence
+
+
+class Learner:
+    """Trains a policy model on batches of episodes (see module doc)."""
+
+    def __init__(
+        self,
+        model: Any,
+        config: LearnerConfig | None = None,
+        *,
+        pad_token_id: int,
+        total_steps: int,
+        temperature: float = 1.0,
+    ) -> None:
+        self.config = config or LearnerConfig()
+        self.device = _device(self.config.device)
+        self.pad_token_id = pad_token_id
+        self.temperature = temperature
+        num_params = sum(p.numel() for p in model.parameters())
+        self.finetune = self.config.resolved_finetune(num_params)
+        if self.finetune == "lora":
+            model = wrap_lora(
+                model,
+                LoRAConfig(
+                    rank=self.config.lora_rank,
+                    alpha=self.config.lora_alpha,
+                    target_modules=self.config.lora_target_modules,
+                ),
+            )
+        else:
+            for p in model.parameters():
+                p.requires_grad_(True)
+        self.model = model.to(self.device)
+        self.model.eval()  # no dropout in rollouts or scoring; the loss is the same function in training
+        self.params = list(trainable_parameters(self.model))
+        self.lr = self.config.resolved_lr(self.finetune)
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.lr, weight_decay=self.config.weight_decay)
+        self.total_steps = max(1, total_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.steps = 0
+        self._autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
+        )
+
+    def _lr_factor(self, step: int) -> float:
+        c = self.config
+        if step < c.warmup_steps:
+            return (step + 1) / c.warmup_steps
+        if c.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - c.warmup_steps) / max(1, self.total_steps - c.warmup_steps))
+        return c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    # -- rows and micro-batches ----------------------------------------------------------------------------
+    @staticmethod
+    def _rows(trajectories: Sequence[Trajectory]) -> list[_Row]:
+        return [
+            _Row(i, seq)
+            for i, traj in enumerate(trajectories)
+            for seq in traj.sequences
+            if seq.num_action_tokens
+        ]
+
+    def _micro_batches(self, rows: Sequence[_Row]) -> list[list[int]]:
+        """Row indices grouped by length: sorted (stable), chunked so rows x longest <= micro_batch_tokens."""
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i].sequence))
+        chunks: list[list[int]] = []
+        for i in order:
+            if chunks:
+                width = len(rows[i].sequence)  # the longest so far: order is ascending
+                if (len(chunks[-1]) + 1) * width <= self.config.micro_batch_tokens:
+                    chunks[-1].append(i)
+                    continue
+            chunks.append([i])
+        return chunks
+
+    def _forward(self, batch: TokenBatch, with_entropy: bool) -> Any:
+        with self._autocast:
+            return selected_token_logprobs(
+                self.model,
+                batch.input_ids,
+                batch.attention_mask,
+                batch.action_mask,
+                with_entropy=with_entropy,
+                temperature=self.temperature,
+            )
+
+    @torch.no_grad()
+    def _row_logprobs(self, rows: Sequence[_Row]) -> list[torch.Tensor]:
+        """Log-probs of each row's action tokens under the current weights (flat, fp32, on CPU)."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
+        for chunk in self._micro_batches(rows):
+            batch = collate([rows[i].sequence for i in chunk], self.pad_token_id).to(self.device)
+            flat = self._forward(batch, with_entropy=False).float().cpu()
+            for i, part in zip(chunk, flat.split(batch.lengths.tolist()), strict=True):
+                out[i] = part
+        return out
+
+    def episode_logprobs(self, trajectories: Sequence[Trajectory]) -> list[torch.Tensor]:
+        """Per trajectory, the log-probs of all its action tokens (sequence order) under the current weights."""
+        rows = self._rows(trajectories)
+        per_row = self._row_logprobs(rows)
+        out: list[list[torch.Tensor]] = [[] for _ in trajectories]
+        for row, lp in zip(rows, per_row, strict=True):
+            out[row.episode].append(lp)
+        return [torch.cat(parts) if parts else torch.empty(0) for parts in out]
+
+    # -- the update ------------------------------------------------------------------------------------------
+    def update(
+        self, episodes: Sequence[Episode], advantages: Sequence[float | torch.Tensor], algorithm: Algorithm
+    ) -> dict[str, float]:
+        """Train on ``episodes`` with one advantage entry per episode (``Algorithm.advantages``)."""
+        if len(advantages) != len(episodes):
+            raise ValueError(f"{len(advantages)} advantages for {len(episodes)} episodes")
+        started = time.perf_counter()
+        rows = self._rows([e.trajectory for e in episodes])
+        if not rows:
+            raise ValueError("the update batch has no action tokens")
+        row_adv = self._spread(episodes, advantages, rows)
+        old = self._row_logprobs(rows)
+        sums: dict[str, float] = {}
+        weight = 0.0
+        grad_norms: list[float] = []
+        by_episode: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            by_episode.setdefault(row.episode, []).append(i)
+        episode_order = sorted(by_episode)
+        parts = max(1, min(self.config.mini_batches, len(episode_order)))
+        for _ in range(self.config.epochs):
+            for m in range(parts):
+                mini = [i for e in episode_order[m::parts] for i in by_episode[e]]
+                lengths = torch.tensor([rows[i].sequence.num_action_tokens for i in mini])
+                step_mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
+                agg = algorithm.aggregation(step_mask)
+                for chunk in self._micro_batches([rows[i] for i in mini]):
+                    idx = [mini[j] for j in chunk]
+                    batch = collate([rows[i].sequence for i in idx], self.pad_token_id).to(self.device)
+                    flat, entropy = self._forward(batch, with_entropy=True)
+                    inputs = PolicyInputs(
+                        logp=batch.scatter(flat.float()),
+                        old_logp=batch.scatter(torch.cat([old[i] for i in idx]).to(self.device)),
+                        rollout_logp=batch.rollout_logprobs,
+                        advantages=batch.scatter(torch.cat([row_adv[i] for i in idx]).to(self.device)),
+                        mask=batch.action_mask.float(),
+                        agg=agg,
+                        entropy=batch.scatter(entropy.float()),
+                    )
+                    out = algorithm.policy_loss(inputs)
+                    out.loss.backward()
+                    tokens = float(batch.num_action_tokens)
+                    weight += tokens
+                    for key, value in out.metrics().items():
+                        if key != "loss" and key != "num_tokens" and math.isfinite(value):
+                            sums[key] = sums.get(key, 0.0) + value * tokens
+                    sums["entropy"] = sums.get("entropy", 0.0) + float(entropy.sum())
+                    sums["loss"] = sums.get("loss", 0.0) + float(out.loss.detach())
+                    self._mismatch(inputs, sums)
+                grad_norms.append(self._step())
+        seconds = time.perf_counter() - started
+        metrics = {k: (v if k == "loss" else v / max(weight, 1.0)) for k, v in sums.items()}
+        metrics["loss"] = sums.get("loss", 0.0) / (self.config.epochs * parts)
+        metrics.update(
+            grad_norm=sum(grad_norms) / len(grad_norms),
+            lr=self.optimizer.param_groups[0]["lr"],
+            action_tokens=float(sum(len(a) for a in row_adv)),
+            learner_seconds=seconds,
+            learner_tokens_per_s=float(sum(len(r.sequence) for r in rows)) * self.config.epochs / seconds,
+        )
+        return metrics
+
+    @staticmethod
+    def _mismatch(inputs: Any, sums: dict[str, float]) -> None:
+        """Trainer/inference mismatch diagnostics: k3 KL(rollout || old) and the IS weight's tail."""
+        with torch.no_grad():
+            m = inputs.mask
+            log_w = (inputs.old_logp - inputs.rollout_logp) * m
+            k3 = (torch.expm1(-log_w) + log_w) * m
+            sums["rollout_kl"] = sums.get("rollout_kl", 0.0) + float(k3.sum())
+            sums["is_weight_above_2"] = sums.get("is_weight_above_2", 0.0) + float(
+                ((log_w > math.log(2)) * m).sum()
+            )
+            sums["is_log_weight_abs"] = sums.get("is_log_weight_abs", 0.0) + float(log_w.abs().sum())
+
+    def _step(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return float(norm)
+
+    @staticmethod
+    def _spread(
+        episodes: Sequence[Episode], advantages: Sequence[float | torch.Tensor], rows: Sequence[_Row]
+    ) -> list[torch.Tensor]:
+        """Each row's advantage per action token, from one scalar or one value per action token per episode."""
+        per_episode: list[list[torch.Tensor]] = []
+        for episode, adv in zip(episodes, advantages, strict=True):
+            lengths = [s.num_action_tokens for s in episode.trajectory.sequences if s.num_action_tokens]
+            if isinstance(adv, torch.Tensor) and adv.dim() == 1:
+                if adv.numel() != sum(lengths):
+                    raise ValueError(
+                        f"episode of task {episode.task_id!r} has {sum(lengths)} action tokens but "
+                        f"{adv.numel()} token advantages"
+                    )
+                per_episode.append(list(adv.float().split(lengths)))
+            else:
+                value = float(adv)
+                if not math.isfinite(value):
+                    raise ValueError(f"advantage of task {episode.task_id!r} is {value}")
+                per_episode.append([torch.full((n,), value) for n in lengths])
+        cursor = [0] * len(episodes)
+        out = []
+        for row in rows:
+            out.append(per_episode[row.episode][cursor[row.episode]])
+            cursor[row.episode] += 1
+        return out
+
+    # -- publication and checkpoints -------------------------------------------------------------------------
+    def save_policy(self, directory: str | os.PathLike[str]) -> Path:
+        """Write the trained policy: the peft adapter (LoRA) or the full model (safetensors)."""
+        path = Path(directory)
+        if self.finetune == "lora":
+            return save_adapter(self.model, path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(str(path))
+        return path
+
+    def state_dict(self) -> dict[str, Any]:
+        """Trainable weights, optimizer and scheduler state, step count (``torch.save``-able)."""
+        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        return {
+            "weights": {
+                k: v.detach().cpu().clone() for k, v in self.model.state_dict().items() if k in trainable
+            },
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "steps": self.steps,
+            "finetune": self.finetune,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["finetune"] != self.finetune:
+            raise ValueError(
+                f"checkpoint trained {state['finetune']!r} parameters, this learner {self.finetune!r}"
+            )
+        missing = set(state["weights"]) - set(self.model.state_dict())
+        if missing:
+            raise ValueError(f"checkpoint has weights this model lacks: {sorted(missing)[:5]}")
+        self.model.load_state_dict(state["weights"], strict=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.steps = int(state["steps"])

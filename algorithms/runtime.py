@@ -1,0 +1,214 @@
+"""Episodes in flight: many env episodes on a ``StreamingVectorEnv``, their turns batched through one agent.
+
+``Rollouts`` is the generator half of the single-stream runtime. Each started *job* (a task id, a seed, and
+the dispatcher's ticket) occupies one sub-env until its episode ends. ``poll`` receives whichever sub-envs
+are ready, asks the ``LLMAgent`` for all their actions in one batched generation, sends them, and returns
+the episodes that finished -- first-ready, so a long episode never holds up a short one. An episode whose
+env worker failed comes back too, its trajectory marked with ``info["error"]``.
+
+Determinism. A job's env seed and the agent's episode id derive from the job's ``key`` (the ticket's
+dispatch index), never from the order in which results arrive. With ``lockstep=True`` ``poll`` waits for
+every pending sub-env before generating, so the batches the backend sees are the same from run to run and a
+seeded run is reproducible bit for bit (the synchronous trainer, ``max_staleness=0``). Otherwise it takes
+what is ready, which is faster and nondeterministic in batch composition only.
+
+``collect`` plays a fixed list of jobs to the end with no training (offline value initialization,
+held-out evaluation).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from streamrl.agents.base import derive_seed
+from streamrl.agents.llm_agent import LLMAgent
+from streamrl.agents.trajectory import Trajectory
+from streamrl.envs.vector import EnvResult, StreamingVectorEnv
+
+
+@dataclass(frozen=True)
+class Job:
+    """One episode to play: which task, under which key (unique; seeds derive from it), with what ticket."""
+
+    task_id: str
+    key: int
+    ticket: Any = None
+    group: int | None = None
+
+
+@dataclass
+class Finished:
+    """A finished job: its trajectory (outcome filled) and the job."""
+
+    job: Job
+    trajectory: Trajectory
+    env_seconds: float = 0.0
+
+
+@dataclass
+class _Running:
+    job: Job
+    env_id: int
+    reward: float = 0.0
+    steps: int = 0
+    env_seconds: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+
+
+class Rollouts:
+    """Jobs in flight on a vector env, acted on by one agent (see module doc)."""
+
+    def __init__(
+        self,
+        venv: StreamingVectorEnv,
+        agent: LLMAgent,
+        *,
+        seed: int = 0,
+        lockstep: bool = False,
+    ) -> None:
+        self.venv = venv
+        self.agent = agent
+        self.seed = seed
+        self.lockstep = lockstep
+        self._running: dict[int, _Running] = {}  # by venv episode id
+        self.generation_seconds = 0.0
+        """Wall time spent inside the agent's generation calls."""
+        self.generated_tokens = 0
+        """Action tokens generated so far, finished or not."""
+
+    # -- queries ------------------------------------------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        return self.venv.num_envs - len(self._running)
+
+    @property
+    def running(self) -> list[Job]:
+        """Jobs in flight, in start order."""
+        return [r.job for r in sorted(self._running.values(), key=lambda r: r.job.key)]
+
+    def running_tokens(self) -> int:
+        """Action tokens generated so far by jobs still in flight."""
+        total = 0
+        for run in self._running.values():
+            episode = self.agent._episodes.get(run.job.key)
+            if episode is not None:
+                total += episode.trajectory.num_action_tokens
+        return total
+
+    # -- starting -----------------------------------------------------------------------------------------
+    def start(self, jobs: Sequence[Job]) -> None:
+        """Reset one free sub-env per job with ``options={"task_id": ...}`` and a seed derived from its key."""
+        if len(jobs) > self.free_slots:
+            raise ValueError(f"{len(jobs)} jobs but only {self.free_slots} free sub-envs")
+        busy = {r.env_id for r in self._running.values()}
+        free = [i for i in range(self.venv.num_envs) if i not in busy]
+        for job, env_id in zip(jobs, free, strict=False):
+            (episode_id,) = self.venv.reset_async(
+                [env_id],
+                seeds=derive_seed(self.seed, "env", job.key),
+                options={"task_id": job.task_id},
+            )
+            self.agent.begin_episode(job.key, task_id=job.task_id, ticket=job.ticket)
+            self._running[episode_id] = _Running(job, env_id)
+
+    # -- stepping -----------------------------------------------------------------------------------------
+    def poll(self, timeout: float | None = None) -> list[Finished]:
+        """Receive ready results, act on every episode that awaits an action, send; return finished jobs.
+
+        Blocks until at least one result is ready (all of them with ``lockstep``) or ``timeout`` passes.
+        """
+        if self.venv.num_pending == 0:
+            return []
+        wait_for = self.venv.num_pending if self.lockstep else 1
+        results = self.venv.recv(timeout=timeout, min_ready=wait_for)
+        finished: list[Finished] = []
+        to_act: list[tuple[_Running, EnvResult]] = []
+        for result in results:
+            run = self._running.get(result.episode_id)
+            if run is None:  # a result of an episode this runner abandoned
+                continue
+            run.env_seconds += result.env_seconds
+            if not result.is_reset:
+                run.steps += 1
+                run.reward += float(result.reward)
+            if result.done:
+                finished.append(self._finish(result, run))
+            else:
+                to_act.append((run, result))
+        if to_act:
+            to_act.sort(key=lambda item: item[0].job.key)  # batch order independent of arrival order
+            started = time.perf_counter()
+            before = self._tokens_of([run for run, _ in to_act])
+            actions = self.agent.act(
+                [r.obs for _, r in to_act], [r.info for _, r in to_act], [run.job.key for run, _ in to_act]
+            )
+            self.generation_seconds += time.perf_counter() - started
+            self.generated_tokens += self._tokens_of([run for run, _ in to_act]) - before
+            for (run, _), action in zip(to_act, actions, strict=True):
+                self.venv.send([run.env_id], [action])
+        return finished
+
+    def _tokens_of(self, runs: Iterable[_Running]) -> int:
+        total = 0
+        for run in runs:
+            episode = self.agent._episodes.get(run.job.key)
+            if episode is not None:
+                total += episode.trajectory.num_action_tokens
+        return total
+
+    def _finish(self, result: EnvResult, run: _Running) -> Finished:
+        del self._running[result.episode_id]
+        job = run.job
+        if job.key in self.agent.active_episodes:
+            trajectory = self.agent.end_episode(job.key)
+        else:  # the reset itself failed: the agent never saw the episode
+            self.agent._pending.pop(job.key, None)
+            trajectory = Trajectory(task_id=job.task_id, ticket=job.ticket)
+        info = dict(result.info)
+        if result.error is not None:
+            info.setdefault("error", result.error)
+        trajectory.set_outcome(
+            reward=run.reward,
+            won=bool(info.get("won", False)),
+            terminated=bool(result.terminated),
+            truncated=bool(result.truncated),
+            info=info,
+            last_observation=str(result.obs),
+            last_action_valid=info.get("action_valid"),
+        )
+        trajectory.timings["env_s"] = run.env_seconds
+        trajectory.timings["episode_s"] = time.perf_counter() - run.started
+        return Finished(job, trajectory, run.env_seconds)
+
+    def abandon_all(self) -> list[Job]:
+        """Stop every running job (their results are discarded) and return them, for requeueing."""
+        jobs = self.running
+        for run in list(self._running.values()):
+            if run.job.key in self.agent.active_episodes:
+                self.agent.end_episode(run.job.key)
+            self.agent._pending.pop(run.job.key, None)
+        self._running.clear()
+        while self.venv.num_pending:
+            self.venv.recv(timeout=60.0, min_ready=self.venv.num_pending)
+        return jobs
+
+
+def collect(rollouts: Rollouts, jobs: Sequence[Job], progress: Any = None) -> list[Finished]:
+    """Play every job to the end (at most ``free_slots`` at a time); return them in job order."""
+    if rollouts.running:
+        raise RuntimeError("collect needs an idle Rollouts (jobs are still running)")
+    queue = list(jobs)
+    done: dict[int, Finished] = {}
+    while queue or rollouts.running:
+        if queue and rollouts.free_slots:
+            n = rollouts.free_slots
+            rollouts.start(queue[:n])
+            queue = queue[n:]
+        for item in rollouts.poll(timeout=None):
+            done[item.job.key] = item
+            if progress is not None:
+                progress(item)
+    return [done[job.key] for job in jobs]

@@ -1,0 +1,363 @@
+"""SFT cold start: behaviour cloning of expert agents into a model, one cached checkpoint per env.
+
+The SPO++ paper starts Math-TIR from an SFT checkpoint; this module gives a small model (``tiny``) the same
+kind of start. RL on an env starts from that env's own checkpoint (``sft_checkpoint("math_tir")``,
+``sft_checkpoint("alfworld")``): trained on both envs' data together, ``tiny`` left Math-TIR at 3%.
+
+1. **Expert data** (``streamrl.agents.teacher_forcing``): expert episodes played through the ``LLMAgent``'s
+   own rendering, so the training sequences have the token layout and ``action_mask`` the agent produces at
+   RL time; optional DART noise, extra generated tasks and downsampling of frequent actions.
+2. **Training** (``train_sft``): ``sft_loss`` (``streamrl.algorithms.losses``), the action tokens'
+   cross-entropy plus ``SFTConfig.context_weight`` times a language-modelling loss on the context; AdamW with
+   linear warm-up and cosine decay, full fine-tuning by default (``SFTConfig.lora`` trains an adapter and
+   merges it). Optional model selection keeps the best epoch by greedy success on held-out generated tasks.
+   A recipe may start from another env's checkpoint (``SFTConfig.init_from``): ALFWorld starts from Math-TIR's.
+3. **Cache** (``sft_checkpoint``): the checkpoint is saved under ``$STREAMRL_CACHE/sft/<model>-sft-<key>``
+   (``SFTConfig.key()``), built once under a lock, so tests, examples and RL runs reuse it.
+
+The recipes are the ``SFTConfig`` presets; what each one reaches, and the variants measured and not kept, are
+in docs/sft.md. Command line: ``streamrl sft`` (``streamrl sft --help``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from streamrl.agents.base import SamplingParams
+from streamrl.agents.env_specs import env_spec, play_tasks
+from streamrl.agents.hf_backend import HFBackend
+from streamrl.agents.lora import LoRAConfig, trainable_parameters, wrap_lora
+from streamrl.agents.models import build_once, load_model, load_tokenizer, resolve_model
+from streamrl.agents.teacher_forcing import downsample_turns, expert_trajectories, sequences_of
+from streamrl.agents.trajectory import TokenSequence
+from streamrl.algorithms.losses import sft_loss
+from streamrl.envs.cache import cache_root
+
+_RECIPE = 4  # bump when the data rendering or training loop changes
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTConfig:
+    """Behaviour-cloning recipe. Every field is part of the checkpoint's cache key.
+
+    The defaults are generic; the presets ``SFTConfig.math_tir()`` and ``SFTConfig.alfworld()`` (by env name:
+    ``SFTConfig.for_env(name)``, ``SFT_PRESETS``) are the measured recipes, one checkpoint per env
+    (docs/sft.md has their measurements).
+    """
+
+    envs: tuple[str, ...]
+    """Envs whose expert data is mixed into one training set (one checkpoint plays all of them). One env per
+    checkpoint is the recommended use: on ``tiny``, training on both envs together left Math-TIR at 3%."""
+    model: str = "tiny"
+    """Registry name or local HF directory of the model to fine-tune."""
+    max_expert_episodes: int = 0
+    """Per env, the first tasks of the training split (ALFWorld has 128, Math-TIR 271 in
+    ``MATH_SFT_FAMILIES``); 0 = all."""
+    synthetic_episodes: int = 0
+    """Per env with a task generator (``EnvSpec.synthetic_tasks``), extra expert episodes on generated training
+    tasks: fresh Math-TIR problems, or ALFWorld games after the 128 of the training split."""
+    expert_replays: int = 1
+    """Times each training task is played: once by the expert alone, then with DART noise (below)."""
+    expert_noise: float = 0.0
+    """Per-turn probability of a random action in the replays (envs with ``EnvSpec.random_action``)."""
+    downsample: tuple[tuple[str, float], ...] = ()
+    """``(action prefix, keep probability)`` pairs: an expert turn whose action starts with the prefix is a
+    training target with that probability, otherwise context only (``sequences_of``); e.g.
+    ``(("go to ", 0.25),)`` keeps a quarter of ALFWorld's search steps (~60% of its turns)."""
+    context_weight: float = 0.0
+    """Weight of a language-modelling loss on the context tokens (prompt, observations, tool output), added to
+    the action tokens' loss as ``action NLL + context_weight * context NLL`` (each a mean over its tokens).
+    The context is most of the tokens (44 times the actions on ALFWorld, 3 times on Math-TIR) and full of
+    copies (ALFWorld's admissible commands repeat the objects of the observation, Math-TIR's code the numbers
+    of the question), so it trains the copying a small model needs at no extra forward cost; 0 trains on the
+    actions alone."""
+    epochs: int = 3
+    """Passes over the expert data (each in a new order of similar-length batches)."""
+    batch_size: int = 4
+    """Sequences per step (small batches: more updates per token, which is what a few minutes buy)."""
+    lr: float = 5e-3
+    """Peak AdamW learning rate (a random-init tiny model needs a high one; use ~1e-4 for pretrained ones)."""
+    warmup_steps: int = 20
+    """Steps of linear learning-rate warm-up, after which it decays on a cosine to 10% of ``lr``."""
+    weight_decay: float = 0.0
+    """AdamW's decoupled weight decay."""
+    max_grad_norm: float = 1.0
+    """The gradient's global norm is clipped to this before every step."""
+    lora: LoRAConfig | None = None
+    """``None`` = full fine-tuning; otherwise train (and save) a LoRA adapter merged into the checkpoint."""
+    seed: int = 0
+    """Seeds the expert data (generated tasks, DART noise, downsampling), the batch order, the validation
+    tasks and torch's generator while training; the starting weights are the loaded model's, the same for
+    every seed."""
+    select_best_of: int = 0
+    """Model selection: after every epoch, play this many freshly *generated* tasks greedily (envs with
+    ``EnvSpec.held_out_tasks``, i.e. Math-TIR; drawn with a seed of their own, so they may repeat a training
+    problem by chance but never a test one) and keep the weights of the best epoch; 0 keeps the last epoch.
+    On ``tiny`` the epoch at which copying numbers clicks, and whether later epochs undo it, varies with the
+    seed."""
+    init_from: str | None = None
+    """An env name: start from that env's SFT checkpoint (``SFTConfig.for_env(init_from, model=model)``, its preset
+    and seed, trained first if not cached) instead of the bare ``model`` -- a curriculum. ALFWorld starts from
+    Math-TIR's: the copy skills learnt there (question -> program, output -> answer) are what ALFWorld's
+    commands need (copy an admissible command, a receptacle name)."""
+
+    def __post_init__(self) -> None:
+        if not self.envs or isinstance(self.envs, str):
+            raise ValueError(f"envs must be a non-empty tuple of env names, got {self.envs!r}")
+        for name in (*self.envs, *([self.init_from] if self.init_from is not None else [])):
+            env_spec(name)
+        if self.init_from is not None and self.init_from in SFT_PRESETS:
+            if SFT_PRESETS[self.init_from]().init_from is not None:
+                raise ValueError(f"init_from={self.init_from!r}: that recipe has an init_from itself")
+        if any(not 0.0 < p <= 1.0 for _, p in self.downsample):
+            raise ValueError(f"downsample keep probabilities must be in (0, 1], got {self.downsample}")
+        if self.expert_replays < 1 or not 0.0 <= self.expert_noise < 1.0:
+            raise ValueError(
+                f"expert_replays must be >= 1 and expert_noise in [0, 1), got {self.expert_replays}, "
+                f"{self.expert_noise}"
+            )
+        if self.select_best_of < 0:
+            raise ValueError(f"select_best_of must be >= 0, got {self.select_best_of}")
+        no_held_out = [n for n in self.envs if env_spec(n).held_out_tasks is None]
+        if self.select_best_of and no_held_out:
+            raise ValueError(
+                f"select_best_of needs held-out generated tasks; {no_held_out} have none (use select_best_of=0)"
+            )
+        if self.epochs < 1 or self.batch_size < 1:
+            raise ValueError(f"epochs and batch_size must be >= 1, got {self.epochs}, {self.batch_size}")
+        if not self.context_weight >= 0.0:
+            raise ValueError(f"context_weight must be >= 0, got {self.context_weight}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+
+    @classmethod
+    def math_tir(cls, **overrides: Any) -> SFTConfig:
+        """Math-TIR's recipe: the one-line procedural families' training tasks plus 3,000 freshly generated
+        ones (copying numbers is learnt from variety, not from more epochs), 3 epochs at lr 5e-3, and the
+        context loss at 0.3 (the question's numbers recur in the program, the tool's output in the answer)."""
+        return cls(
+            **{
+                "envs": ("math_tir",),
+                "synthetic_episodes": 3000,
+                "epochs": 3,
+                "lr": 5e-3,
+                "context_weight": 0.3,
+                **overrides,
+            }
+        )
+
+    @classmethod
+    def alfworld(cls, **overrides: Any) -> SFTConfig:
+        """ALFWorld's recipe: of the variants measured, the one that imitates the expert best turn by turn and
+        wins most sampled episodes. 1,152 games (the 128 RL trains on and 1,024 more of the same floor plans),
+        2 epochs from Math-TIR's checkpoint (its copy skills are what ALFWorld's commands need), most of the
+        easy, frequent search turns ("go to": 1 in 10 kept, "open": 3 in 10) left as context only, and the
+        context loss at 0.3 (the observations and admissible commands teach copying object names)."""
+        return cls(
+            **{
+                "envs": ("alfworld",),
+                "init_from": "math_tir",
+                "synthetic_episodes": 1024,
+                "downsample": (("go to ", 0.1), ("open ", 0.3)),
+                "epochs": 2,
+                "lr": 5e-3,
+                "context_weight": 0.3,
+                **overrides,
+            }
+        )
+
+    @classmethod
+    def for_env(cls, env_name: str, **overrides: Any) -> SFTConfig:
+        """The preset of env ``env_name`` (``SFT_PRESETS``) with ``overrides``: the config of its checkpoint."""
+        env_spec(env_name)
+        if env_name not in SFT_PRESETS:
+            raise ValueError(f"env {env_name!r} has no SFT preset; presets: {sorted(SFT_PRESETS)}")
+        return SFT_PRESETS[env_name](**overrides)
+
+    def start(self) -> SFTConfig | None:
+        """The config of the checkpoint this one starts from (``init_from``), or ``None`` (bare ``model``)."""
+        return None if self.init_from is None else SFTConfig.for_env(self.init_from, model=self.model)
+
+    def key(self) -> str:
+        """The checkpoint's cache key: a hash of every field, the base model's directory name, the data and
+        training code's version (``_RECIPE``) and, through ``init_from``, the key of the checkpoint it starts
+        from (so a changed Math-TIR preset changes ALFWorld's key too)."""
+        model_key = resolve_model(self.model).name
+        start = self.start()
+        blob = json.dumps(
+            {
+                "config": asdict(self),
+                "model_dir": model_key,
+                "recipe": _RECIPE,
+                "start": start.key() if start is not None else None,
+            },
+            sort_keys=True,
+        )
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+SFT_PRESETS: dict[str, Callable[..., SFTConfig]] = {
+    "alfworld": SFTConfig.alfworld,
+    "math_tir": SFTConfig.math_tir,
+}
+"""Env name -> its ``SFTConfig`` preset (called with field overrides): the envs ``streamrl sft`` trains."""
+
+
+def train_sft(
+    model: Any,
+    sequences: Sequence[TokenSequence],
+    config: SFTConfig,
+    pad_token_id: int,
+    log: Callable[[str], None] = print,
+    validate: Callable[[Any], float] | None = None,
+) -> list[float]:
+    """Behaviour cloning of ``sequences`` into ``model`` (in place); returns the loss of every step.
+
+    With ``validate`` (model -> score, higher is better), it is called after every epoch and the model ends with
+    the weights of the best-scoring epoch (the earliest among ties)."""
+    params = list(trainable_parameters(model))
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    # Batches of similar length waste less compute on padding: sort, chunk, then shuffle the chunks.
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    chunks = [order[i : i + config.batch_size] for i in range(0, len(order), config.batch_size)]
+    total = config.epochs * len(chunks)
+
+    def lr_at(step: int) -> float:  # linear warm-up, cosine decay to 10%
+        if step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        progress = (step - config.warmup_steps) / max(1, total - config.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+    rng = random.Random(config.seed)
+    losses: list[float] = []
+    best: tuple[float, int, dict[str, torch.Tensor]] | None = None
+    model.train()
+    started = time.perf_counter()
+    for epoch in range(config.epochs):
+        rng.shuffle(chunks)
+        for chunk in chunks:
+            loss, _ = sft_loss(model, [sequences[i] for i in chunk], pad_token_id, config.context_weight)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            losses.append(float(loss.detach()))
+        recent = losses[-len(chunks) :]
+        message = f"epoch {epoch + 1}/{config.epochs}: loss {sum(recent) / len(recent):.3f}"
+        if validate is not None:
+            score = validate(model)
+            model.train()
+            if best is None or score > best[0]:
+                best = (score, epoch + 1, {k: v.detach().clone() for k, v in model.state_dict().items()})
+            message += f", validation {score:.3f} (best: epoch {best[1]})"
+        log(f"{message} ({time.perf_counter() - started:.0f}s)")
+    if best is not None:
+        model.load_state_dict(best[2])
+    model.eval()
+    return losses
+
+
+def sft_checkpoint(config: SFTConfig | str, log: Callable[[str], None] = print) -> Path:
+    """The fine-tuned model directory for ``config`` (or for env name ``config``'s preset,
+    ``SFTConfig.for_env``), trained and cached on first use under ``$STREAMRL_CACHE/sft/`` (atomic, locked)::
+
+        HFBackend(sft_checkpoint("math_tir"))   # start Math-TIR RL from its SFT checkpoint
+    """
+    if isinstance(config, str):
+        config = SFTConfig.for_env(config)
+    base = resolve_model(config.model)
+    target = cache_root() / "sft" / f"{base.name}-sft-{config.key()}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+
+    def build(out: Path) -> None:
+        start = config.start()  # the checkpoint to start from is built (or found) first, under its own lock
+        start_dir = None if start is None else sft_checkpoint(start, log)
+        tokenizer = load_tokenizer(base)
+        sequences: list[TokenSequence] = []
+        stats: dict[str, Any] = {}
+        for name in config.envs:
+            started = time.perf_counter()
+            spec = env_spec(name)
+            synthetic = config.synthetic_episodes if spec.synthetic_tasks is not None else 0
+            noisy = spec.random_action is not None
+            trajs = expert_trajectories(
+                name,
+                tokenizer,
+                limit=config.max_expert_episodes or None,
+                synthetic=synthetic,
+                seed=config.seed,
+                replays=config.expert_replays if noisy else 1,
+                noise=config.expert_noise if noisy else 0.0,
+            )
+            downsample_turns(trajs, config.downsample, random.Random(config.seed))
+            seqs = sequences_of(trajs)
+            stats[name] = {
+                "episodes": len(trajs),
+                "sequences": len(seqs),
+                "tokens": sum(len(s) for s in seqs),
+                "action_tokens": sum(s.num_action_tokens for s in seqs),
+                "collect_s": round(time.perf_counter() - started, 1),
+            }
+            log(f"expert data {name}: {stats[name]}")
+            sequences.extend(seqs)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            model = load_model(base if start_dir is None else start_dir)
+            started = time.perf_counter()
+            if config.lora is not None:
+                model = wrap_lora(model, config.lora)
+            validation: list[float] = []
+            validate = _validator(config, tokenizer, validation) if config.select_best_of else None
+            losses = train_sft(model, sequences, config, int(tokenizer.pad_token_id), log, validate)
+        if config.lora is not None:
+            model = model.merge_and_unload()
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        report = {
+            "config": asdict(config),
+            "base_model": str(base),
+            "start": None if start_dir is None else str(start_dir),
+            "data": stats,
+            "steps": len(losses),
+            "validation_by_epoch": validation,
+            "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
+            "train_s": round(time.perf_counter() - started, 1),
+        }
+        (out / "streamrl_sft.json").write_text(json.dumps(report, indent=2, sort_keys=True))
+
+    return build_once(target, build)
+
+
+def _validator(config: SFTConfig, tokenizer: Any, scores: list[float]) -> Callable[[Any], float]:
+    """``model -> mean greedy success`` on ``config.select_best_of`` held-out generated tasks per env
+    (``EnvSpec.held_out_tasks``); appends to ``scores``."""
+    held_out = {}
+    for name in config.envs:
+        generate = env_spec(name).held_out_tasks
+        assert generate is not None  # SFTConfig checks it
+        held_out[name] = generate(config.select_best_of, config.seed)
+
+    def validate(model: Any) -> float:
+        backend = HFBackend(model, tokenizer=tokenizer)  # the model as it is, on its own device
+        rates = []
+        for name, env_kwargs in held_out.items():
+            spec = env_spec(name)
+            greedy = SamplingParams(max_new_tokens=spec.max_new_tokens, temperature=0.0)
+            agent = spec.llm_agent(backend, greedy)
+            played = play_tasks(agent, name, spec.train_split, config.select_best_of, env_kwargs=env_kwargs)
+            rates.append(played.success_rate)
+        scores.append(sum(rates) / len(rates))
+        return scores[-1]
+
+    return validate

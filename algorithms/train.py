@@ -1,0 +1,924 @@
+"""``streamrl train``: the single-stream trainer that runs every algorithm (SPO, SPO++, GRPO, SAO, yours).
+
+One loop, in the order the data flows (DESIGN.md)::
+
+    dispatch   the tracker samples tasks (prioritized for SPO/SPO++), freezes baselines on tickets; admission
+               keeps dispatched - dropped <= (max_staleness + k + 1) * B * P at version k (AReaL's rule)
+    roll out   Rollouts: episodes on the streaming vector env, their turns batched through the backend
+    file       the algorithm files outcomes in the tracker when episodes return (SPO++) or after the update (SPO)
+    batch      the algorithm's batch rule forms an update batch of B episodes; before a publication, episodes
+               that would exceed max_staleness are trained first and in-flight ones are waited for
+    learn      advantages -> Learner.update (micro-batched, global token count) -> publish every P updates
+    publish    save the policy (adapter or weights) + probe, load it into the backend, check the served
+               log-probs on the probe against the learner's, then advance the tracker's clock
+
+Generation and learning alternate with the in-process HF backend (one process, and the CPU is shared); with
+a backend in another process (vLLM) generation goes on while the learner updates (``overlap``).
+
+The run directory holds ``config.json``, ``metrics.jsonl`` (one row per update, with a periodic evaluation on
+fixed held-out tasks and the closed ledger), TensorBoard event files, ``policy/v<k>`` (published versions,
+the last few kept), and ``checkpoint/`` (learner, optimizer, scheduler, tracker, algorithm, buffer, tickets
+in flight, counters, RNG). ``resume=True`` continues a killed run from its last checkpoint: every ticket
+that was in flight is played again, finished-but-untrained episodes are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from streamrl.agents.base import SamplingParams, derive_seed
+from streamrl.agents.llm_agent import LLMAgent
+from streamrl.agents.trajectory import Trajectory
+from streamrl.algorithms.base import Algorithm, Episode, make_algorithm
+from streamrl.algorithms.learner import Learner, LearnerConfig
+from streamrl.algorithms.runtime import Finished, Job, Rollouts, collect
+from streamrl.algorithms.tracker import EventTracker, Ticket
+from streamrl.envs.cache import atomic_write_text
+
+EnvName = Literal["math_tir", "alfworld"]
+BackendName = Literal["hf", "vllm"]
+Init = Literal["sft", "base"]
+EnvWorkers = Literal["subprocess", "inprocess"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run needs; saved as the run's ``config.json`` (resume checks it)."""
+
+    out: str = ""
+    """Run directory (required)."""
+    env: EnvName = "math_tir"
+    """``"math_tir"`` or ``"alfworld"``."""
+    algo: str = "spo++"
+    """``spo``, ``spo++``, ``grpo``, ``sao``, or ``module:Class`` / ``file.py:Class`` for your own."""
+    model: str = "tiny"
+    """Registry name (``tiny``, ``smollm2-135m``) or a local Hugging Face directory."""
+    init: Init = "sft"
+    """``"sft"``: start from the model's SFT checkpoint for ``env`` (built and cached on first use);
+    ``"base"``: from ``model`` as it is."""
+    backend: BackendName = "hf"
+    """Rollout backend: ``"hf"`` (in-process transformers) or ``"vllm"`` (needs LoRA)."""
+    updates: int = 60
+    """Policy updates to run."""
+    batch: int = 64
+    """B: trajectories per update (SPO++ paper: 128)."""
+    num_envs: int = 16
+    """Episodes in flight at once (sub-envs of the vector env)."""
+    max_staleness: int = 1
+    """S: a trained token is at most S versions older than the policy trained (0 = synchronous trainer)."""
+    tasks: int | None = None
+    """Train on the first N tasks of the training split (``None`` = all)."""
+    offline_rollouts: int = 8
+    """n_0: rollouts per task of the initial policy that initialize the prompt values (0 = uniform prior)."""
+    temperature: float = 1.0
+    """Rollout sampling temperature (the learner scores under the same temperature)."""
+    max_new_tokens: int | None = None
+    """Tokens per turn; ``None`` = the env's default."""
+    eval_every: int = 10
+    """Updates between held-out evaluations (0 = none); one runs before the first update and at the end."""
+    eval_episodes: int = 64
+    """Held-out episodes per evaluation: fixed tasks, drawn uniformly once per run."""
+    eval_split: str | None = None
+    """Held-out split; ``None`` = the env's first evaluation split."""
+    eval_temperature: float = 1.0
+    """Sampling temperature of the evaluation (0 = greedy)."""
+    checkpoint_every: int = 10
+    """Updates between checkpoints (also on SIGINT/SIGTERM and at the end)."""
+    keep_versions: int = 3
+    """Published policy versions kept on disk (at least max_staleness + 1)."""
+    overlap: bool | None = None
+    """Generate while the learner updates; ``None`` = only with an out-of-process backend (vLLM)."""
+    env_workers: EnvWorkers = "subprocess"
+    """Vector env workers: ``"subprocess"`` (default) or ``"inprocess"`` (debugging)."""
+    threads: int = 1
+    """torch threads of the trainer process."""
+    seed: int = 0
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    algorithm: Mapping[str, Any] = field(default_factory=dict)
+    """Overrides of the algorithm's config fields (e.g. ``{"dual_clip_c": 3.0, "publish_every": 1}``), laid
+    over the algorithm's preset for ``env`` (SPO++ publishes every update on ALFWorld, every two on Math-TIR)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["algorithm"] = dict(self.algorithm)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
+        valid = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - valid)
+        if unknown:
+            raise ValueError(f"unknown train config key(s) {unknown}; valid: {sorted(valid)}")
+        values = dict(data)
+        if isinstance(values.get("learner"), Mapping):
+            learner = dict(values["learner"])
+            lvalid = {f.name for f in fields(LearnerConfig)}
+            bad = sorted(set(learner) - lvalid)
+            if bad:
+                raise ValueError(f"unknown learner config key(s) {bad}; valid: {sorted(lvalid)}")
+            if isinstance(learner.get("lora_target_modules"), list):
+                learner["lora_target_modules"] = tuple(learner["lora_target_modules"])
+            values["learner"] = LearnerConfig(**learner)
+        return cls(**values)
+
+
+class ConfigError(ValueError):
+    """A training config that cannot run; raised before any work starts."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ledger: every dispatched trajectory and every generated action token is accounted for
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Ledger:
+    """generated = trained + dropped_stale + dropped_group + failed + buffered (+ in flight for tokens)."""
+
+    dispatched: int = 0
+    finished: int = 0
+    trained: int = 0
+    dropped_stale: int = 0
+    """Finished after their version was superseded (``current-version`` rule): filed in the tracker, not trained."""
+    dropped_group: int = 0
+    """Whole groups without reward variance (DAPO) or with too few members left."""
+    failed: int = 0
+    """Ended by an env worker failure (``info["error"]``): neither filed nor trained."""
+    trained_tokens: int = 0
+    dropped_tokens: int = 0
+    failed_tokens: int = 0
+
+    def row(
+        self, buffered: int, buffered_tokens: int, in_flight: int, in_flight_tokens: int
+    ) -> dict[str, int]:
+        generated_tokens = (
+            self.trained_tokens
+            + self.dropped_tokens
+            + self.failed_tokens
+            + buffered_tokens
+            + in_flight_tokens
+        )
+        return {
+            **{f"ledger/{k}": v for k, v in asdict(self).items()},
+            "ledger/buffered": buffered,
+            "ledger/in_flight": in_flight,
+            "ledger/buffered_tokens": buffered_tokens,
+            "ledger/in_flight_tokens": in_flight_tokens,
+            "ledger/generated_tokens": generated_tokens,
+        }
+
+
+class PublishError(RuntimeError):
+    """The backend did not serve the policy the learner published."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The trainer
+# ---------------------------------------------------------------------------------------------------------
+
+
+class Trainer:
+    """Builds everything a ``TrainConfig`` names and runs it (``Trainer(config).run()``)."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        *,
+        algorithm: Algorithm | None = None,
+        resume: bool = False,
+        log: Callable[[str], None] = print,
+        progress: bool = True,
+    ) -> None:
+        self.log = log
+        self.show_progress = progress
+        self.algorithm = algorithm if algorithm is not None else self._make_algorithm(config)
+        self.config = config
+        self.run_dir = Path(config.out)
+        self._validate(resume)
+        torch.set_num_threads(config.threads)
+        self._build()
+        self._stop = threading.Event()
+        self._resumed = False
+        if resume and (self.run_dir / "checkpoint" / "state.json").is_file():
+            self._load_checkpoint()
+            self._resumed = True
+
+    # -- validation -----------------------------------------------------------------------------------------
+    def _make_algorithm(self, config: TrainConfig) -> Algorithm:
+        try:
+            return make_algorithm(config.algo, env=config.env, **dict(config.algorithm))
+        except (ValueError, TypeError, FileNotFoundError) as exc:
+            raise ConfigError(str(exc)) from exc
+
+    def _validate(self, resume: bool) -> None:
+        from streamrl.agents.env_specs import ENV_SPECS
+
+        c = self.config
+        if not c.out:
+            raise ConfigError("out (the run directory) is required, e.g. out='runs/spo_pp-math'")
+        if c.env not in ENV_SPECS:
+            raise ConfigError(f"unknown env {c.env!r}; valid: {sorted(ENV_SPECS)}")
+        if c.backend not in ("hf", "vllm"):
+            raise ConfigError(f"unknown backend {c.backend!r}; valid: 'hf', 'vllm'")
+        if c.init not in ("sft", "base"):
+            raise ConfigError(f"init must be 'sft' or 'base', got {c.init!r}")
+        for name in ("updates", "batch", "num_envs", "threads", "keep_versions"):
+            if getattr(c, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(c, name)}")
+        for name in ("max_staleness", "offline_rollouts", "eval_every", "eval_episodes", "checkpoint_every"):
+            if getattr(c, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(c, name)}")
+        if c.keep_versions < c.max_staleness + 1:
+            raise ConfigError(
+                f"keep_versions={c.keep_versions} must be >= max_staleness + 1 = {c.max_staleness + 1}"
+            )
+        if c.temperature <= 0:
+            raise ConfigError(
+                f"temperature must be > 0 for RL (the learner scores the sampling policy), got {c.temperature}"
+            )
+        g = self.algorithm.config.group_size
+        if self.algorithm.config.batch_rule == "groups":
+            if c.batch % g:
+                raise ConfigError(
+                    f"batch={c.batch} must be a multiple of {self.algorithm.name}'s group_size={g}"
+                )
+            if c.num_envs < g:
+                raise ConfigError(f"num_envs={c.num_envs} cannot hold one group of group_size={g}")
+        elif g != 1:
+            raise ConfigError(f"group_size={g} needs batch_rule='groups'")
+        if c.backend == "vllm" and c.learner.finetune == "full":
+            raise ConfigError(
+                "the vllm backend loads LoRA adapters; use learner.finetune='lora' (or 'auto' on a large model)"
+            )
+        config_file = self.run_dir / "config.json"
+        if config_file.is_file():
+            saved = json.loads(config_file.read_text())
+            if not resume:
+                raise ConfigError(
+                    f"{self.run_dir} already holds a run; pass resume=True (--resume) or another out"
+                )
+            mine = json.loads(json.dumps(self.config.to_dict()))
+            changed = sorted(
+                k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k) and k != "updates"
+            )
+            if changed:
+                diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {mine.get(k)!r}" for k in changed)
+                raise ConfigError(f"cannot resume {self.run_dir} with a different config ({diffs})")
+
+    # -- construction ----------------------------------------------------------------------------------------
+    def _build(self) -> None:
+        from streamrl.agents.env_specs import env_spec, make_env, task_ids_of
+        from streamrl.agents.models import load_model, load_tokenizer, resolve_model
+        from streamrl.algorithms.sft import SFTConfig, sft_checkpoint
+        from streamrl.envs.vector import StreamingVectorEnv, VectorEnvConfig
+
+        c = self.config
+        self.spec = env_spec(c.env)
+        if c.init == "sft":
+            model_dir = sft_checkpoint(SFTConfig.for_env(c.env, model=c.model), log=self.log)
+        else:
+            model_dir = resolve_model(c.model)
+        self.model_dir = Path(model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(c.seed, "learner"))
+            policy = load_model(self.model_dir)
+        total_steps = c.updates * c.learner.mini_batches * c.learner.epochs
+        self.learner = Learner(
+            policy,
+            c.learner,
+            pad_token_id=int(self.tokenizer.pad_token_id),
+            total_steps=total_steps,
+            temperature=c.temperature,
+        )
+        self.backend = self._make_backend()
+        max_new = c.max_new_tokens or self.spec.max_new_tokens
+        self.sampling = SamplingParams(
+            temperature=c.temperature, max_new_tokens=max_new, seed=derive_seed(c.seed, "sampling")
+        )
+        self.agent = LLMAgent(
+            self.backend,
+            tokenizer=self.tokenizer,
+            prompt_format=self.spec.prompt(),
+            sampling=self.sampling,
+            context=self.spec.context,
+        )
+
+        probe_env = make_env(c.env, self.spec.train_split)
+        task_ids = task_ids_of(probe_env, c.env)
+        probe_env.close()
+        if c.tasks is not None:
+            if c.tasks < 1 or c.tasks > len(task_ids):
+                raise ConfigError(
+                    f"tasks={c.tasks} must be in [1, {len(task_ids)}] (the {c.env} training tasks)"
+                )
+            task_ids = task_ids[: c.tasks]
+        cap = self.algorithm.config.group_size if self.algorithm.config.batch_rule == "groups" else 1
+        if self.algorithm.config.batch_rule != "groups" and c.batch > len(task_ids):
+            raise ConfigError(
+                f"batch={c.batch} is larger than the task set ({len(task_ids)} tasks): with one request in flight "
+                "per task a batch could never fill; lower batch or raise tasks"
+            )
+        del cap
+        self.task_ids = task_ids
+        self.tracker = EventTracker(task_ids, self.algorithm.tracker_config(derive_seed(c.seed, "tracker")))
+        workers = VectorEnvConfig(backend=c.env_workers)
+        env_kwargs = dict(self.spec.env_kwargs)
+        self.venv = StreamingVectorEnv.from_env(
+            self.spec.gym_id, c.num_envs, config=workers, split=self.spec.train_split, **env_kwargs
+        )
+        lockstep = c.max_staleness == 0
+        self.rollouts = Rollouts(
+            self.venv, self.agent, seed=derive_seed(c.seed, "rollouts"), lockstep=lockstep
+        )
+        self.overlap = c.overlap if c.overlap is not None else c.backend == "vllm"
+        self.eval_split = c.eval_split or self.spec.eval_splits[0]
+        self.eval_tasks = self._eval_tasks()
+        # state
+        self.updates = 0
+        self.ledger = Ledger()
+        self.buffer: list[Episode] = []
+        self.queued: list[Job] = []  # tickets to (re)start before sampling new ones (resume)
+        self.groups: dict[int, list[Episode]] = {}
+        self.group_sizes: dict[int, int] = {}
+        self.next_group = 0
+        self.generator_busy = 0.0
+        self.learner_busy = 0.0
+        self.started = time.perf_counter()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.probe = self._probe_sequence()
+
+    def _make_backend(self) -> Any:
+        c = self.config
+        if c.backend == "vllm":
+            from streamrl.agents.vllm_backend import VLLMBackend, VLLMBackendConfig
+
+            return VLLMBackend(
+                str(self.model_dir),
+                config=VLLMBackendConfig(
+                    max_lora_rank=c.learner.lora_rank, max_loras=c.keep_versions, seed=c.seed
+                ),
+            )
+        from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
+
+        # The rollout backend has weights of its own: what it serves changes only at publication.
+        return HFBackend(
+            self.model_dir,
+            tokenizer=self.tokenizer,
+            config=HFBackendConfig(device=c.learner.device, seed=c.seed),
+        )
+
+    def _eval_tasks(self) -> list[str]:
+        from streamrl.agents.env_specs import make_env, task_ids_of
+
+        if not self.config.eval_episodes or not self.config.eval_every:
+            return []
+        env = make_env(self.config.env, self.eval_split)
+        ids = task_ids_of(env, self.config.env)
+        env.close()
+        rng = random.Random(derive_seed(self.config.seed, "eval-tasks"))
+        n = self.config.eval_episodes
+        return [
+            ids[i]
+            for i in (
+                rng.sample(range(len(ids)), n)
+                if n <= len(ids)
+                else [rng.randrange(len(ids)) for _ in range(n)]
+            )
+        ]
+
+    def _probe_sequence(self) -> list[int]:
+        """A fixed token sequence on which the served and the learner's log-probs must agree after publication."""
+        prompt = self.agent.chat.render([{"role": "user", "content": "What is 6 times 7? Use the tool."}])
+        tail = self.tokenizer.encode(" The answer is \\boxed{42}.", add_special_tokens=False)
+        return list(prompt) + list(tail)
+
+    # -- the loop -----------------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        """Train for ``config.updates`` updates (from where a resumed run left off); returns a summary."""
+        c = self.config
+        (self.run_dir / "config.json").write_text(json.dumps(c.to_dict(), indent=2, sort_keys=True))
+        self._install_signals()
+        writer = self._tensorboard()
+        bar = self._progress_bar()
+        try:
+            if not self._resumed:
+                self._offline_init()
+                if self.eval_tasks:
+                    self._write_metrics({"update": 0, **self._evaluate()}, writer)
+            pool = ThreadPoolExecutor(1) if self.overlap else None
+            while self.updates < c.updates and not self._stop.is_set():
+                batch = self._next_batch()
+                if batch is None:
+                    break
+                row = self._train_on(batch, pool)
+                if (
+                    c.eval_every
+                    and self.eval_tasks
+                    and (self.updates % c.eval_every == 0 or self.updates == c.updates)
+                ):
+                    row.update(self._evaluate())
+                self._write_metrics(row, writer)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(
+                        success=f"{row['batch/success']:.2f}",
+                        eval=f"{row.get('eval/success', float('nan')):.2f}",
+                    )
+                if c.checkpoint_every and self.updates % c.checkpoint_every == 0:
+                    self._save_checkpoint()
+            self._save_checkpoint()
+        finally:
+            if bar is not None:
+                bar.close()
+            if writer is not None:
+                writer.close()
+            self.close()
+        return {"updates": self.updates, "run_dir": str(self.run_dir), "interrupted": self._stop.is_set()}
+
+    def close(self) -> None:
+        self.venv.close()
+        self.backend.close()
+
+    # -- dispatch and rollout ----------------------------------------------------------------------------------
+    def _capacity(self) -> int:
+        """How many more trajectories admission allows now (AReaL's rule, in trajectories)."""
+        c = self.config
+        per_version = c.batch * self.algorithm.config.publish_every
+        dropped = self.ledger.dropped_stale + self.ledger.dropped_group + self.ledger.failed
+        allowed = (c.max_staleness + self.tracker.version + 1) * per_version + dropped
+        return allowed - self.ledger.dispatched
+
+    def _dispatch(self) -> None:
+        free = self.rollouts.free_slots
+        if self.queued:  # requeued tickets (resume) first
+            again, self.queued = self.queued[:free], self.queued[free:]
+            self.rollouts.start(again)
+            free -= len(again)
+        room = min(free, self._capacity())
+        g = self.algorithm.config.group_size if self.algorithm.config.batch_rule == "groups" else 1
+        room -= room % g
+        if room <= 0:
+            return
+        busy = {t.task_id for t in self.tracker.in_flight} if g == 1 else set()
+        candidates = [t for t in self.task_ids if t not in busy]
+        tasks = self.tracker.sample(room // g, candidates=candidates, strict=False)
+        jobs: list[Job] = []
+        for task in tasks:
+            group = None
+            if g > 1:
+                group = self.next_group
+                self.next_group += 1
+                self.group_sizes[group] = g
+            for _ in range(g):
+                ticket = self.tracker.dispatch(task)
+                jobs.append(Job(task, ticket.dispatch_index, ticket, group))
+        self.ledger.dispatched += len(jobs)
+        if jobs:
+            self.rollouts.start(jobs)
+
+    def _receive(self, finished: Sequence[Finished]) -> None:
+        for item in finished:
+            self.ledger.finished += 1
+            episode = Episode(item.trajectory, item.job.ticket, item.job.group)
+            tokens = episode.num_action_tokens
+            if episode.failed:
+                self.tracker.cancel(episode.ticket)
+                self.ledger.failed += 1
+                self.ledger.failed_tokens += tokens
+                if episode.group is not None:
+                    self.group_sizes[episode.group] -= 1
+                    self._close_group(episode.group)
+                continue
+            self.algorithm.on_complete(self.tracker, episode)
+            rule = self.algorithm.config.batch_rule
+            if rule == "current-version" and episode.ticket.version < self.tracker.version:
+                self.ledger.dropped_stale += 1
+                self.ledger.dropped_tokens += tokens
+                continue
+            if episode.group is not None:
+                self.groups.setdefault(episode.group, []).append(episode)
+                self._close_group(episode.group)
+            else:
+                self.buffer.append(episode)
+
+    def _close_group(self, group: int) -> None:
+        members = self.groups.get(group, [])
+        if len(members) < self.group_sizes[group]:
+            return
+        self.groups.pop(group, None)
+        if len(members) < 2 or not self.algorithm.keep_group([m.reward for m in members]):
+            self.ledger.dropped_group += len(members)
+            self.ledger.dropped_tokens += sum(m.num_action_tokens for m in members)
+            return
+        self.buffer.extend(members)
+
+    def _must_wait(self, publishing: bool) -> bool:
+        """Before a publication, in-flight work that would exceed max_staleness must finish first."""
+        if not publishing or self.algorithm.config.batch_rule == "current-version":
+            return False
+        limit = self.tracker.version - self.config.max_staleness
+        return any(job.ticket.version <= limit for job in self.rollouts.running) or any(
+            job.ticket.version <= limit for job in self.queued
+        )
+
+    def _take_batch(self, publishing: bool) -> list[Episode] | None:
+        b = self.config.batch
+        if self._must_wait(publishing):
+            return None
+        due: list[Episode] = []
+        if publishing and self.algorithm.config.batch_rule != "current-version":
+            limit = self.tracker.version - self.config.max_staleness
+            due = [e for e in self.buffer if e.min_version <= limit]
+            due.sort(key=lambda e: e.ticket.dispatch_index)  # oldest first
+        if self.algorithm.config.batch_rule == "groups" and due:
+            due_groups = {e.group for e in due}
+            due = [e for e in self.buffer if e.group in due_groups]
+        rest = [e for e in self.buffer if e not in due]
+        need = max(b, len(due))
+        if len(due) + len(rest) < need:
+            return None
+        batch = due + rest[: need - len(due)]
+        taken = {id(e) for e in batch}
+        self.buffer = [e for e in self.buffer if id(e) not in taken]
+        if self.config.max_staleness == 0:
+            batch.sort(key=lambda e: e.ticket.dispatch_index)  # arrival order is not reproducible
+        return batch
+
+    def _next_batch(self) -> list[Episode] | None:
+        publishing = (self.updates + 1) % self.algorithm.config.publish_every == 0
+        while not self._stop.is_set():
+            batch = self._take_batch(publishing)
+            if batch is not None:
+                return batch
+            self._dispatch()
+            if not self.rollouts.running:
+                raise RuntimeError(
+                    f"no episode in flight and no batch ready ({len(self.buffer)} buffered, capacity "
+                    f"{self._capacity()}): the batch rule cannot fill a batch of {self.config.batch}"
+                )
+            started = time.perf_counter()
+            self._receive(self.rollouts.poll(timeout=None))
+            self.generator_busy += time.perf_counter() - started
+        return None
+
+    # -- learning and publication ---------------------------------------------------------------------------------
+    def _train_on(self, batch: list[Episode], pool: ThreadPoolExecutor | None) -> dict[str, Any]:
+        version = self.tracker.version
+        staleness = Counter(version - e.min_version for e in batch)
+        started = time.perf_counter()
+        advantages = self.algorithm.advantages(batch)
+        if pool is None:
+            metrics = self.learner.update(batch, advantages, self.algorithm)
+        else:  # keep generating (at the old version) while the learner works
+            future = pool.submit(self.learner.update, batch, advantages, self.algorithm)
+            while not future.done():
+                self._dispatch()
+                if self.rollouts.running:
+                    self._receive(self.rollouts.poll(timeout=0.05))
+                else:
+                    time.sleep(0.01)
+            metrics = future.result()
+        metrics.update(self.algorithm.after_update(self.tracker, batch, self.learner))
+        self.updates += 1
+        self.ledger.trained += len(batch)
+        self.ledger.trained_tokens += sum(e.num_action_tokens for e in batch)
+        published = None
+        if self.updates % self.algorithm.config.publish_every == 0:
+            published = self._publish()
+        self.learner_busy += time.perf_counter() - started
+        return self._row(batch, metrics, staleness, published)
+
+    def _publish(self) -> int:
+        """Save the policy + probe, load it into the backend, verify what is served, advance the clock."""
+        from streamrl.agents.logprobs import token_logprobs
+        from streamrl.agents.vllm_backend import write_adapter_probe
+
+        version = self.tracker.version + 1
+        final = self.run_dir / "policy" / f"v{version}"
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.learner.save_policy(tmp)
+        ids = torch.tensor([self.probe], device=self.learner.device)
+        with torch.no_grad():
+            expected = token_logprobs(self.learner.model, ids, torch.ones_like(ids))[0].float().cpu().tolist()
+        write_adapter_probe(tmp, self.probe, expected)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        self._serve(final, version)
+        served = self.backend.score([self.probe], [1])[0]
+        worst = max(abs(a - b) for a, b in zip(served, expected, strict=True))
+        tolerance = 1e-3 if self.learner.device.type == "cpu" else 5e-2
+        if not worst <= tolerance:
+            raise PublishError(
+                f"after publishing v{version} the backend serves log-probs {worst:.3g} away from the learner's "
+                f"on the probe (tolerance {tolerance}): it is not serving the published policy"
+            )
+        self.tracker.publish()
+        for old in sorted((self.run_dir / "policy").glob("v*")):
+            if (
+                old.name.startswith("v")
+                and old.name[1:].isdigit()
+                and int(old.name[1:]) <= version - self.config.keep_versions
+            ):
+                shutil.rmtree(old, ignore_errors=True)
+        return version
+
+    def _serve(self, policy_dir: Path, version: int) -> None:
+        """Load a published policy into the rollout backend: an adapter, or full weights into its own copy."""
+        if self.learner.finetune == "lora":
+            self.backend.set_adapter(str(policy_dir), version)
+            return
+        from safetensors.torch import load_file
+
+        weights: dict[str, torch.Tensor] = {}
+        for path in sorted(policy_dir.glob("*.safetensors")):
+            weights.update(load_file(str(path)))
+        model = self.backend.model
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        tied = {k for k in missing if k.endswith("lm_head.weight")}  # tied to the embeddings, not saved twice
+        if set(missing) - tied or unexpected:
+            raise PublishError(
+                f"{policy_dir}: weights do not fit the served model (missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})"
+            )
+        self.backend.set_adapter(None, version)
+
+    # -- metrics ----------------------------------------------------------------------------------------------------
+    def _row(
+        self,
+        batch: Sequence[Episode],
+        metrics: Mapping[str, float],
+        staleness: Counter[int],
+        published: int | None,
+    ) -> dict[str, Any]:
+        trajs = [e.trajectory for e in batch]
+        elapsed = time.perf_counter() - self.started
+        turns = [len(t.turns) for t in trajs]
+        invalid = sum(sum(1 for turn in t.turns if turn.action_valid is False) for t in trajs)
+        row: dict[str, Any] = {
+            "update": self.updates,
+            "version": self.tracker.version,
+            "published": published,
+            "batch/success": sum(t.won for t in trajs) / len(trajs),
+            "batch/reward": sum(t.reward for t in trajs) / len(trajs),
+            "batch/turns": sum(turns) / len(turns),
+            "batch/action_tokens": sum(t.num_action_tokens for t in trajs) / len(trajs),
+            "batch/tool_calls": sum(sum(turn.tool_calls for turn in t.turns) for t in trajs) / len(trajs),
+            "batch/invalid_action_rate": invalid / max(1, sum(turns)),
+            "staleness": {str(k): v for k, v in sorted(staleness.items())},
+            **{f"learner/{k}": v for k, v in metrics.items()},
+            "time/elapsed_s": elapsed,
+            "time/generator_busy_s": self.generator_busy,
+            "time/learner_busy_s": self.learner_busy,
+            "time/generation_s": self.rollouts.generation_seconds,
+            "throughput/trajectories_per_s": self.ledger.trained / elapsed,
+            "throughput/action_tokens_per_s": self.rollouts.generated_tokens / elapsed,
+        }
+        row.update(self._ledger_row())
+        return row
+
+    def _ledger_row(self) -> dict[str, int]:
+        buffered = self.buffer + [m for members in self.groups.values() for m in members]
+        return self.ledger.row(
+            buffered=len(buffered),
+            buffered_tokens=sum(e.num_action_tokens for e in buffered),
+            in_flight=len(self.rollouts.running) + len(self.queued),
+            in_flight_tokens=self.rollouts.running_tokens(),
+        )
+
+    def _write_metrics(self, row: Mapping[str, Any], writer: Any) -> None:
+        with (self.run_dir / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+        if writer is not None:
+            step = int(row.get("update", self.updates))
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                    writer.add_scalar(key, value, step)
+            writer.flush()
+
+    def _tensorboard(self) -> Any:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # pragma: no cover - tensorboard is a core dependency
+            return None
+        return SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def _progress_bar(self) -> Any:
+        if not self.show_progress:
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(
+            total=self.config.updates,
+            initial=self.updates,
+            desc=f"{self.algorithm.name} {self.config.env}",
+            unit="update",
+        )
+
+    # -- offline values and evaluation ------------------------------------------------------------------------
+    def _side_rollouts(self, split: str, temperature: float, seed_tag: str) -> Rollouts:
+        from streamrl.envs.vector import StreamingVectorEnv, VectorEnvConfig
+
+        venv = StreamingVectorEnv.from_env(
+            self.spec.gym_id,
+            self.config.num_envs,
+            config=VectorEnvConfig(backend=self.config.env_workers),
+            split=split,
+            **dict(self.spec.env_kwargs),
+        )
+        sampling = replace(
+            self.sampling, temperature=temperature, seed=derive_seed(self.config.seed, seed_tag)
+        )
+        agent = LLMAgent(
+            self.backend,
+            tokenizer=self.tokenizer,
+            prompt_format=self.spec.prompt(),
+            sampling=sampling,
+            context=self.spec.context,
+        )
+        return Rollouts(venv, agent, seed=derive_seed(self.config.seed, seed_tag), lockstep=True)
+
+    def _offline_init(self) -> None:
+        n0 = self.config.offline_rollouts
+        if n0 == 0 or self.tracker.config.mode == "bookkeeping":
+            return
+        cache = self._offline_cache_path()
+        if cache.is_file():
+            outcomes = json.loads(cache.read_text())
+            self.log(f"offline values: {cache} (cached)")
+        else:
+            side = self._side_rollouts(self.spec.train_split, self.config.temperature, "offline")
+            try:
+                jobs = [Job(t, i * n0 + k) for i, t in enumerate(self.task_ids) for k in range(n0)]
+                done = collect(side, jobs)
+            finally:
+                side.venv.close()
+            outcomes = {t: [] for t in self.task_ids}
+            for item in done:
+                outcomes[item.job.task_id].append(float(item.trajectory.reward))
+            atomic_write_text(cache, json.dumps(outcomes))  # the cache is shared by concurrent runs
+            self.log(f"offline values: {n0} rollouts x {len(self.task_ids)} tasks -> {cache}")
+        self.tracker.init_offline({t: outcomes[t] for t in self.task_ids})
+
+    def _offline_cache_path(self) -> Path:
+        import hashlib
+
+        from streamrl.envs.cache import cache_root
+
+        weights = sorted(self.model_dir.glob("*.safetensors"))
+        digest = hashlib.sha256()
+        for path in weights:
+            digest.update(path.name.encode())
+            digest.update(str(path.stat().st_size).encode())
+            with path.open("rb") as f:
+                digest.update(f.read(1 << 20))
+        key = json.dumps(
+            [
+                digest.hexdigest()[:16],
+                self.config.env,
+                self.spec.train_split,
+                self.task_ids,
+                self.config.offline_rollouts,
+                self.config.temperature,
+                self.sampling.max_new_tokens,
+                self.config.seed,
+            ],
+        )
+        name = hashlib.sha256(key.encode()).hexdigest()[:20]
+        return cache_root() / "offline_values" / f"{self.model_dir.name}-{self.config.env}-{name}.json"
+
+    def _evaluate(self) -> dict[str, float]:
+        """Success on the fixed held-out tasks, with the policy of the current version."""
+        started = time.perf_counter()
+        side = self._side_rollouts(
+            self.eval_split, self.config.eval_temperature, f"eval-{self.tracker.version}"
+        )
+        try:
+            jobs = [Job(t, i) for i, t in enumerate(self.eval_tasks)]
+            done = collect(side, jobs)
+        finally:
+            side.venv.close()
+        wins = [float(item.trajectory.won) for item in done]
+        p = sum(wins) / len(wins)
+        return {
+            "eval/success": p,
+            "eval/stderr": math.sqrt(p * (1 - p) / len(wins)),
+            "eval/reward": sum(item.trajectory.reward for item in done) / len(done),
+            "eval/episodes": float(len(done)),
+            "eval/version": float(self.tracker.version),
+            "eval/seconds": time.perf_counter() - started,
+        }
+
+    # -- checkpoints -------------------------------------------------------------------------------------------
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def stop(signum: int, frame: Any) -> None:
+            self.log(f"signal {signum}: checkpointing after the current step")
+            self._stop.set()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, stop)
+
+    def _save_checkpoint(self) -> None:
+        final = self.run_dir / "checkpoint"
+        tmp = self.run_dir / "checkpoint.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        torch.save(
+            {
+                "learner": self.learner.state_dict(),
+                "algorithm": self.algorithm.state_dict(),
+                "torch_rng": torch.get_rng_state(),
+            },
+            tmp / "learner.pt",
+        )
+        in_flight = [job for job in self.queued] + self.rollouts.running
+        state = {
+            "updates": self.updates,
+            "tracker": self.tracker.state_dict(),
+            "ledger": asdict(self.ledger),
+            "buffer": [self._episode_json(e) for e in self.buffer],
+            "groups": {
+                str(g): [self._episode_json(e) for e in members] for g, members in self.groups.items()
+            },
+            "group_sizes": {str(g): n for g, n in self.group_sizes.items()},
+            "next_group": self.next_group,
+            "in_flight": [
+                {"task_id": j.task_id, "key": j.key, "ticket": asdict(j.ticket), "group": j.group}
+                for j in in_flight
+            ],
+            "time": {"generator_busy": self.generator_busy, "learner_busy": self.learner_busy},
+            "backend_version": self.tracker.version,
+        }
+        (tmp / "state.json").write_text(json.dumps(state))
+        old = self.run_dir / "checkpoint.old"
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+
+    @staticmethod
+    def _episode_json(episode: Episode) -> dict[str, Any]:
+        return {
+            "trajectory": episode.trajectory.to_dict(),
+            "ticket": asdict(episode.ticket),
+            "group": episode.group,
+        }
+
+    def _load_checkpoint(self) -> None:
+        path = self.run_dir / "checkpoint"
+        state = json.loads((path / "state.json").read_text())
+        blob = torch.load(path / "learner.pt", weights_only=False)
+        self.learner.load_state_dict(blob["learner"])
+        self.algorithm.load_state_dict(blob["algorithm"])
+        torch.set_rng_state(blob["torch_rng"])
+        self.tracker.load_state_dict(state["tracker"])
+        self.updates = int(state["updates"])
+        self.ledger = Ledger(**state["ledger"])
+
+        def episode(item: Mapping[str, Any]) -> Episode:
+            ticket = Ticket(**item["ticket"])
+            trajectory = Trajectory.from_dict(item["trajectory"])
+            trajectory.ticket = ticket
+            return Episode(trajectory, ticket, item["group"])
+
+        self.buffer = [episode(item) for item in state["buffer"]]
+        self.groups = {int(g): [episode(i) for i in members] for g, members in state["groups"].items()}
+        self.group_sizes = {int(g): n for g, n in state["group_sizes"].items()}
+        self.next_group = int(state["next_group"])
+        self.queued = [
+            Job(j["task_id"], j["key"], Ticket(**j["ticket"]), j["group"]) for j in state["in_flight"]
+        ]
+        self.generator_busy = state["time"]["generator_busy"]
+        self.learner_busy = state["time"]["learner_busy"]
+        version = int(state["backend_version"])
+        if version > 0:  # serve the published policy of the checkpointed version, not the learner's weights
+            self._serve(self.run_dir / "policy" / f"v{version}", version)
+        self.log(
+            f"resumed {self.run_dir} at update {self.updates} (version {version}), {len(self.queued)} tickets requeued, {len(self.buffer)} episodes buffered"
+        )
+
+
+def train(
+    config: TrainConfig, *, algorithm: Algorithm | None = None, resume: bool = False, progress: bool = True
+) -> dict[str, Any]:
+    """Run ``config`` to completion (or resume it) and return the trainer's summary."""
+    trainer = Trainer(config, algorithm=algorithm, resume=resume, progress=progress)
+    return trainer.run()

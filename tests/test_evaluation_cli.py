@@ -1,0 +1,260 @@
+"""The ``streamrl`` command line and the dataclass -> flags / config-file helper behind it."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import pytest
+from streamrl.evaluation.cli import main, parse_sft_args
+from streamrl.evaluation.config_cli import (
+    add_dataclass_arguments,
+    dataclass_from_args,
+    dataclass_from_dict,
+    field_docs,
+    load_config_file,
+)
+
+
+@dataclass(frozen=True)
+class Inner:
+    """A nested config (set from a config file)."""
+
+    rank: int = 8
+    """Adapter rank."""
+
+
+@dataclass(frozen=True)
+class Demo:
+    """A config with one field of every supported kind."""
+
+    steps: int
+    """Optimizer steps (required)."""
+    lr: float = 1e-3
+    """Peak learning rate; 100% of it after warm-up."""
+    name: str = "run"
+    """Run name."""
+    out: Path | None = None
+    """Output folder."""
+    mode: Literal["fast", "exact"] = "fast"
+    """How to compute."""
+    shuffle: bool = True
+    """Shuffle the data each epoch."""
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    """Sampling temperatures."""
+    window: tuple[int, int] = (1, 2)
+    """First and last turn."""
+    workers: int | None = None
+    """Processes (None: all CPUs)."""
+    inner: Inner | None = None
+    """A nested config."""
+    tags: list[str] = field(default_factory=list)
+    """Free-form tags."""
+
+
+def _parser(**kwargs: object) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="demo")
+    add_dataclass_arguments(parser, Demo, exclude=("inner", "tags"), **kwargs)  # type: ignore[arg-type]
+    return parser
+
+
+def test_flags_take_their_types_choices_and_help_from_the_dataclass() -> None:
+    parser = _parser()
+    args = parser.parse_args(
+        [
+            "--steps", "5", "--lr", "0.5", "--out", "/tmp/x", "--mode", "exact", "--no-shuffle",
+            "--temperatures", "0", "0.7", "1", "--window", "3", "4", "--workers", "none",
+        ]
+    )  # fmt: skip
+    config = dataclass_from_args(Demo, args)
+    assert config == Demo(
+        steps=5,
+        lr=0.5,
+        out=Path("/tmp/x"),
+        mode="exact",
+        shuffle=False,
+        temperatures=(0.0, 0.7, 1.0),
+        window=(3, 4),
+        workers=None,
+    )
+    assert dataclass_from_args(
+        Demo, parser.parse_args(["--steps", "1", "--shuffle", "--workers", "2"])
+    ) == Demo(steps=1, workers=2)
+    text = parser.format_help()
+    for expected in [
+        "Optimizer steps (required). (required)",
+        "Peak learning rate; 100% of it after warm-up. (default: 0.001)",
+        "{fast,exact}",
+        "--shuffle, --no-shuffle",
+        "(default: 0.0 1.0)",
+        "('none': None)",
+    ]:
+        assert expected in " ".join(text.split()), expected
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--mode", "slow"])  # not a choice
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--window", "1"])  # needs two values
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--steps", "many"])
+
+
+def test_a_config_file_is_the_base_and_flags_override_it(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("steps: 100\nlr: 1\nmode: exact\ntemperatures: [0.5]\ninner: {rank: 4}\n")
+    base = load_config_file(path)
+    args = _parser().parse_args(["--lr", "0.25", "--name", "cli"])
+    config = dataclass_from_args(Demo, args, base)
+    # From the file (lists become tuples, a mapping the nested dataclass, 1 the float 1.0), the flags on top,
+    # the dataclass defaults for the rest.
+    assert config == Demo(
+        steps=100, lr=0.25, name="cli", mode="exact", temperatures=(0.5,), inner=Inner(rank=4)
+    )
+    assert dataclass_from_dict(Demo, {"steps": 1, "lr": 1}).lr == 1.0 and isinstance(
+        dataclass_from_dict(Demo, {"steps": 1, "lr": 1}).lr, float
+    )
+    (tmp_path / "empty.yaml").write_text("")
+    assert load_config_file(tmp_path / "empty.yaml") == {}
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="must hold a mapping"):
+        load_config_file(tmp_path / "list.yaml")
+
+
+def test_unknown_keys_and_wrong_types_are_named() -> None:
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['step'\] in Demo; valid keys: \[.*'steps'"):
+        dataclass_from_dict(Demo, {"step": 3})
+    with pytest.raises(
+        ValueError, match=r"unknown key\(s\) \['alpha'\] in Demo.inner; valid keys: \['rank'\]"
+    ):
+        dataclass_from_dict(Demo, {"steps": 3, "inner": {"alpha": 2}})
+    with pytest.raises(TypeError, match=r"Demo.steps: expected int, got '3'"):
+        dataclass_from_dict(Demo, {"steps": "3"})
+    with pytest.raises(TypeError, match=r"Demo.steps: expected int, got True"):
+        dataclass_from_dict(Demo, {"steps": True})
+    with pytest.raises(TypeError, match=r"Demo.mode: expected one of \['fast', 'exact'\], got 'slow'"):
+        dataclass_from_dict(Demo, {"steps": 3, "mode": "slow"})
+    with pytest.raises(TypeError, match=r"Demo.window: expected 2 values"):
+        dataclass_from_dict(Demo, {"steps": 3, "window": [1, 2, 3]})
+    with pytest.raises(TypeError, match=r"Demo.temperatures\[1\]: expected float, got 'hot'"):
+        dataclass_from_dict(Demo, {"steps": 3, "temperatures": [1, "hot"]})
+    with pytest.raises(TypeError, match="steps"):
+        dataclass_from_dict(Demo, {})  # a required field missing: the dataclass says which
+    with pytest.raises(TypeError, match=r"Demo.inner: type .*Inner.* has no command-line form"):
+        add_dataclass_arguments(argparse.ArgumentParser(), Demo, exclude=("tags",))
+    with pytest.raises(ValueError, match=r"Demo has no field\(s\) \['stepz'\]"):
+        add_dataclass_arguments(argparse.ArgumentParser(), Demo, include=("stepz",))
+
+
+def test_field_docs_read_attribute_docstrings_and_attributes_sections() -> None:
+    from streamrl.algorithms.sft import SFTConfig
+
+    assert field_docs(Demo)["lr"] == "Peak learning rate; 100% of it after warm-up."
+    assert field_docs(SFTConfig)["batch_size"].startswith("Sequences per step")
+
+    @dataclass
+    class GoogleStyle:
+        """Sizes.
+
+        Attributes:
+            train: number of training tasks (default 128, the
+                SPO++ paper's training set).
+            workers: processes.
+        """
+
+        train: int = 128
+        workers: int | None = None
+
+    assert field_docs(GoogleStyle) == {
+        "train": "number of training tasks (default 128, the SPO++ paper's training set).",
+        "workers": "processes.",
+    }
+
+
+def test_sft_flags_lay_over_the_env_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    from streamrl.algorithms.sft import SFTConfig
+
+    options, configs = parse_sft_args(
+        ["--envs", "math_tir", "--epochs", "1", "--lr", "0.001", "--eval-episodes", "0"]
+    )
+    assert options.envs == ("math_tir",) and options.eval_episodes == 0
+    assert configs == [SFTConfig.math_tir(epochs=1, lr=0.001)]
+    _, configs = parse_sft_args(["--init-from", "none", "--seed", "2"])  # every preset, no curriculum
+    assert configs == [SFTConfig.alfworld(init_from=None, seed=2), SFTConfig.math_tir(seed=2)]
+    _, configs = parse_sft_args(["--joint", "--envs", "alfworld", "math_tir"])
+    assert configs == [SFTConfig(envs=("alfworld", "math_tir"))]
+    with pytest.raises(SystemExit):
+        parse_sft_args(["--envs", "minecraft"])
+    assert "unknown env 'minecraft'; valid: ['alfworld', 'math_tir']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_sft_args(["--envs", "math_tir", "--select-best-of", "-1"])
+    assert "select_best_of must be >= 0, got -1" in capsys.readouterr().err
+
+
+def test_sft_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sft", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.startswith("usage: streamrl sft")
+    for expected in [
+        "--context-weight CONTEXT_WEIGHT Weight of a language-modelling loss on the context tokens",
+        "(default: 0.0, unless the env's preset sets it)",
+        "--eval-episodes EVAL_EPISODES Episodes per split",
+        "--joint, --no-joint",
+        "--init-from INIT_FROM An env name",
+    ]:
+        assert expected in text, expected
+    assert "--lora" not in text and "--downsample" not in text
+
+
+def test_demo_plays_through_the_real_sandbox(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--episodes", "2", "--show", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "=== episode 0: task" in out and "=== episode 1" not in out
+    assert "score: 2/2 solved" in out
+    with pytest.raises(SystemExit):
+        main(["demo", "--episodes", "0"])
+    assert "episodes must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train"])
+    assert "invalid choice: 'train'" in capsys.readouterr().err
+
+
+@pytest.mark.alfworld
+def test_alfworld_generate_into_the_given_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("textworld", reason="needs the alfworld extra: pip install -e .[alfworld]")
+    from streamrl.envs import alfworld_gen as gen
+
+    argv = ["alfworld-generate", "--split", "eval_unseen", "--eval-unseen", "2", "--cache-dir", str(tmp_path)]
+    assert main([*argv, "--workers", "1"]) == 0
+    games = sorted((tmp_path / f"gen-v{gen.GENERATOR_VERSION}" / "eval_unseen").glob("*/game.tw-pddl"))
+    assert len(games) == 2 and "eval_unseen: 2 games" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["alfworld-generate", "--split", "valid"])
+    assert (
+        "unknown split(s) ['valid']; valid: ['train', 'eval_seen', 'eval_unseen']" in capsys.readouterr().err
+    )
+
+
+@pytest.mark.slow
+def test_sft_command_builds_evaluates_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The checkpoint of tests/test_algo_sft.py::test_sft_improves_over_untrained_model (same config, so the
+    # same cache key: built once per cache), then 2 greedy episodes per split.
+    import json
+
+    from streamrl.algorithms.sft import SFTConfig
+
+    out = tmp_path / "report.json"
+    recipe = ["--max-expert-episodes", "16", "--synthetic-episodes", "0", "--epochs", "30", "--lr", "0.005"]
+    argv = ["sft", "--joint", "--envs", "math_tir", *recipe, "--eval-episodes", "2", "--temperature", "0"]
+    assert main([*argv, "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out) == report
+    (entry,) = report["checkpoints"]
+    config = SFTConfig(envs=("math_tir",), max_expert_episodes=16, synthetic_episodes=0, epochs=30, lr=5e-3)
+    assert entry["checkpoint"].endswith(config.key()) and entry["sft"]["data"]["math_tir"]["episodes"] == 16
+    assert [(e["split"], e["temperature"], e["episodes"]) for e in entry["eval"]] == [
+        ("train", 0.0, 2),
+        ("test", 0.0, 2),
+    ]
