@@ -515,6 +515,15 @@ class Trainer:
             else:
                 self.buffer.append(episode)
 
+    def _drain_buffer(self) -> None:
+        """``current-version``: finished work of a superseded version leaves the buffer (it was filed in the
+        tracker when it returned); it is ledgered as dropped_stale, never trained."""
+        stale = [e for e in self.buffer if e.ticket.version < self.tracker.version]
+        if stale:
+            self.buffer = [e for e in self.buffer if e.ticket.version >= self.tracker.version]
+            self.ledger.dropped_stale += len(stale)
+            self.ledger.dropped_tokens += sum(e.num_action_tokens for e in stale)
+
     def _close_group(self, group: int) -> None:
         members = self.groups.get(group, [])
         if len(members) < self.group_sizes[group]:
@@ -628,6 +637,8 @@ class Trainer:
                 f"on the probe (tolerance {tolerance}): it is not serving the published policy"
             )
         self.tracker.publish()
+        if self.algorithm.config.batch_rule == "current-version":
+            self._drain_buffer()
         for old in sorted((self.run_dir / "policy").glob("v*")):
             if (
                 old.name.startswith("v")
