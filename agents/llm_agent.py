@@ -344,6 +344,17 @@ class LLMAgent:
         trajectory.validate()
         return trajectory
 
+    def discard(self, episode_id: EpisodeId) -> None:
+        """Forget ``episode_id`` (begun or running) without a record: an episode the caller abandons, or one
+        whose env failed before the agent ever acted. Unknown ids are ignored."""
+        self._pending.pop(episode_id, None)
+        self._episodes.pop(episode_id, None)
+
+    def action_tokens(self, episode_id: EpisodeId) -> int:
+        """Tokens generated so far in the running episode ``episode_id`` (0 before its first ``act``)."""
+        episode = self._episodes.get(episode_id)
+        return 0 if episode is None else episode.trajectory.num_action_tokens
+
     @property
     def active_episodes(self) -> list[EpisodeId]:
         return list(self._episodes)
