@@ -107,7 +107,7 @@ class TextEnv(gym.Env[str, str]):
         task_id = options.get("task_id")
         if task_id is None:
             task_id = self._task_ids[int(self.np_random.integers(len(self._task_ids)))]
-        elif task_id not in self._task_set:
+        elif not isinstance(task_id, str) or task_id not in self._task_set:
             raise ValueError(self._unknown_task_message(task_id))
         self._task_id, self._done = None, False
         obs, info = self._reset_task(task_id)

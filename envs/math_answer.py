@@ -153,7 +153,8 @@ def _close_exact(a: Fraction, b: Fraction, rel_tol: float, abs_tol: float) -> bo
 
 
 class _QuietTimeoutWarning(logging.Filter):
-    """math-verify warns once that its timeouts are off; here they are off on purpose (see module doc)."""
+    """math-verify warns once that its timeouts are off. They are off on purpose: they use ``signal.alarm``
+    (main thread only), and the checks run in a process that is killed at the deadline instead."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "Timeout is disabled" not in record.getMessage()

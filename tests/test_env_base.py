@@ -59,6 +59,8 @@ def test_task_ids_reset_and_the_seeded_draw() -> None:
     )
     drawn = [env.reset(seed=s)[1]["task_id"] for s in range(12)]
     assert drawn == [env.reset(seed=s)[1]["task_id"] for s in range(12)] and len(set(drawn)) == 3
+    with pytest.raises(ValueError, match=r"unknown task_id \['echo/apple'\]"):
+        env.reset(options={"task_id": ["echo/apple"]})
     with pytest.raises(ValueError, match=r"unknown reset option\(s\) \['level'\]; valid: \['task_id'\]"):
         env.reset(options={"level": 2})
     # The nearest ids are named, so a typo is easy to see.
