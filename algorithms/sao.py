@@ -638,11 +638,11 @@ def pretrain_critic(
     ``sao.critic_init``) on the episodes for ``config.epochs`` epochs of steps of ``config.batch`` episodes
     (plain squared error towards the lambda = 1 returns: no clipping, nothing to stay close to), and save it
     to ``config.out``. Returns the report that ``critic.json`` also holds."""
-    from streamrl.agents.base import SamplingParams
+    from streamrl.agents.base import SamplingParams, derive_seed
     from streamrl.agents.env_specs import env_spec, make_env, task_ids_of
     from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
     from streamrl.agents.models import load_tokenizer, resolve_model
-    from streamrl.algorithms.runtime import Job, Rollouts, collect, derive_seed
+    from streamrl.algorithms.runtime import Job, Rollouts, collect
     from streamrl.algorithms.sft import SFTConfig, sft_checkpoint
     from streamrl.envs.vector import StreamingVectorEnv, VectorEnvConfig
 
@@ -685,8 +685,10 @@ def pretrain_critic(
     backend = HFBackend(
         model_dir, tokenizer=tokenizer, config=HFBackendConfig(device=config.device, seed=config.seed)
     )
-    sampling = SamplingParams(
-        temperature=config.temperature, max_new_tokens=config.max_new_tokens or spec.max_new_tokens
+    sampling = SamplingParams(  # the run seed: each (episode, turn) samples with a seed derived from it
+        temperature=config.temperature,
+        max_new_tokens=config.max_new_tokens or spec.max_new_tokens,
+        seed=derive_seed(config.seed, "value"),
     )
     venv = StreamingVectorEnv.from_env(
         spec.gym_id,
