@@ -443,6 +443,25 @@ def resolve_model(name_or_path: str | os.PathLike[str], *, cache_dir: Path | Non
     )
 
 
+def weights_fingerprint(path: str | os.PathLike[str], *, head_bytes: int | None = 1 << 20) -> str:
+    """A short hash of a model directory's weights: each ``*.safetensors`` file's name, size and first
+    ``head_bytes`` bytes (``None``: the whole file). Keys caches and checks that saved state (a critic)
+    belongs to the same starting weights. The default prefix is cheap and tells checkpoints of different
+    training runs apart; hash whole files where two models may share their first megabyte (an adapter
+    merged into layers beyond it)."""
+    digest = hashlib.sha256()
+    for file in sorted(Path(path).glob("*.safetensors")):
+        digest.update(file.name.encode())
+        digest.update(str(file.stat().st_size).encode())
+        with file.open("rb") as f:
+            if head_bytes is None:
+                for block in iter(lambda: f.read(1 << 24), b""):
+                    digest.update(block)
+            else:
+                digest.update(f.read(head_bytes))
+    return digest.hexdigest()[:16]
+
+
 def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     """Tokenizer of a resolved model directory, left-padded for batched generation (not persisted by HF)."""
     from transformers import AutoTokenizer

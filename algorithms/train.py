@@ -43,7 +43,7 @@ import torch
 from streamrl.agents.base import SamplingParams, derive_seed
 from streamrl.agents.llm_agent import LLMAgent
 from streamrl.agents.trajectory import Trajectory
-from streamrl.algorithms.base import Algorithm, Episode, make_algorithm
+from streamrl.algorithms.base import Algorithm, Episode, SetupContext, make_algorithm
 from streamrl.algorithms.learner import Learner, LearnerConfig
 from streamrl.algorithms.runtime import Finished, Job, Rollouts, collect
 from streamrl.algorithms.tracker import EventTracker, Ticket
@@ -305,6 +305,19 @@ class Trainer:
             total_steps=total_steps,
             temperature=c.temperature,
         )
+        context = SetupContext(
+            model_dir=self.model_dir,
+            device=self.learner.device,
+            pad_token_id=int(self.tokenizer.pad_token_id),
+            tokenizer=self.tokenizer,
+            micro_batch_tokens=c.learner.micro_batch_tokens,
+            seed=derive_seed(c.seed, "algorithm"),
+            log=self.log,
+        )
+        try:
+            self.algorithm.setup(context)
+        except ValueError as exc:  # e.g. SAO's critic_init does not fit the starting model
+            raise ConfigError(f"{self.algorithm.name}: {exc}") from exc
         self.backend = self._make_backend()
         max_new = c.max_new_tokens or self.spec.max_new_tokens
         self.sampling = SamplingParams(
@@ -585,8 +598,11 @@ class Trainer:
         version = self.tracker.version
         staleness = Counter(version - e.min_version for e in batch)
         started = time.perf_counter()
-        advantages = self.algorithm.advantages(batch)
-        if pool is None:
+        trains_policy = self.algorithm.train_policy(self.updates)  # False: e.g. SAO's critic-only warm-up
+        advantages = self.algorithm.advantages(batch) if trains_policy else []
+        if not trains_policy:
+            metrics: dict[str, float] = {}
+        elif pool is None:
             metrics = self.learner.update(batch, advantages, self.algorithm)
         else:  # keep generating (at the old version) while the learner works
             future = pool.submit(self.learner.update, batch, advantages, self.algorithm)
@@ -597,6 +613,7 @@ class Trainer:
                 else:
                     time.sleep(0.01)
             metrics = future.result()
+        metrics["policy_trained"] = float(trains_policy)
         metrics.update(self.algorithm.after_update(self.tracker, batch, self.learner))
         self.updates += 1
         self.ledger.trained += len(batch)
@@ -783,18 +800,12 @@ class Trainer:
     def _offline_cache_path(self) -> Path:
         import hashlib
 
+        from streamrl.agents.models import weights_fingerprint
         from streamrl.envs.cache import cache_root
 
-        weights = sorted(self.model_dir.glob("*.safetensors"))
-        digest = hashlib.sha256()
-        for path in weights:
-            digest.update(path.name.encode())
-            digest.update(str(path.stat().st_size).encode())
-            with path.open("rb") as f:
-                digest.update(f.read(1 << 20))
         key = json.dumps(
             [
-                digest.hexdigest()[:16],
+                weights_fingerprint(self.model_dir),
                 self.config.env,
                 self.spec.train_split,
                 self.task_ids,
