@@ -40,12 +40,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from streamrl.agents.base import SamplingParams
+from streamrl.agents.base import SamplingParams, derive_seed
 from streamrl.agents.llm_agent import LLMAgent
 from streamrl.agents.trajectory import Trajectory
 from streamrl.algorithms.base import Algorithm, Episode, make_algorithm
 from streamrl.algorithms.learner import Learner, LearnerConfig
-from streamrl.algorithms.runtime import Finished, Job, Rollouts, collect, derive_seed
+from streamrl.algorithms.runtime import Finished, Job, Rollouts, collect
 from streamrl.algorithms.tracker import EventTracker, Ticket
 
 EnvName = Literal["math_tir", "alfworld"]
@@ -382,6 +382,8 @@ class Trainer:
         )
 
     def _eval_tasks(self) -> list[str]:
+        """The fixed held-out episodes: every task of the split equally often (each ``n // tasks`` times), the
+        remainder drawn uniformly without replacement; the same list for every run with the same seed."""
         from streamrl.agents.env_specs import make_env, task_ids_of
 
         if not self.config.eval_episodes or not self.config.eval_every:
@@ -389,16 +391,9 @@ class Trainer:
         env = make_env(self.config.env, self.eval_split)
         ids = task_ids_of(env, self.config.env)
         env.close()
-        rng = random.Random(derive_seed(self.config.seed, "eval-tasks"))
         n = self.config.eval_episodes
-        return [
-            ids[i]
-            for i in (
-                rng.sample(range(len(ids)), n)
-                if n <= len(ids)
-                else [rng.randrange(len(ids)) for _ in range(n)]
-            )
-        ]
+        rng = random.Random(derive_seed(self.config.seed, "eval-tasks"))
+        return ids * (n // len(ids)) + rng.sample(ids, n % len(ids))
 
     def _probe_sequence(self) -> list[int]:
         """A fixed token sequence on which the served and the learner's log-probs must agree after publication."""
@@ -515,6 +510,15 @@ class Trainer:
             else:
                 self.buffer.append(episode)
 
+    def _drain_buffer(self) -> None:
+        """``current-version``: finished work of a superseded version leaves the buffer (it was filed in the
+        tracker when it returned); it is ledgered as dropped_stale, never trained."""
+        stale = [e for e in self.buffer if e.ticket.version < self.tracker.version]
+        if stale:
+            self.buffer = [e for e in self.buffer if e.ticket.version >= self.tracker.version]
+            self.ledger.dropped_stale += len(stale)
+            self.ledger.dropped_tokens += sum(e.num_action_tokens for e in stale)
+
     def _close_group(self, group: int) -> None:
         members = self.groups.get(group, [])
         if len(members) < self.group_sizes[group]:
@@ -628,6 +632,8 @@ class Trainer:
                 f"on the probe (tolerance {tolerance}): it is not serving the published policy"
             )
         self.tracker.publish()
+        if self.algorithm.config.batch_rule == "current-version":
+            self._drain_buffer()
         for old in sorted((self.run_dir / "policy").glob("v*")):
             if (
                 old.name.startswith("v")
@@ -729,7 +735,8 @@ class Trainer:
         )
 
     # -- offline values and evaluation ------------------------------------------------------------------------
-    def _side_rollouts(self, split: str, temperature: float, seed_tag: str) -> Rollouts:
+    def _side_rollouts(self, split: str, temperature: float, seed: int) -> Rollouts:
+        """Rollouts on ``split`` with the current policy, apart from training (offline values, evaluation)."""
         from streamrl.envs.vector import StreamingVectorEnv, VectorEnvConfig
 
         venv = StreamingVectorEnv.from_env(
@@ -739,9 +746,7 @@ class Trainer:
             split=split,
             **dict(self.spec.env_kwargs),
         )
-        sampling = replace(
-            self.sampling, temperature=temperature, seed=derive_seed(self.config.seed, seed_tag)
-        )
+        sampling = replace(self.sampling, temperature=temperature, seed=seed)
         agent = LLMAgent(
             self.backend,
             tokenizer=self.tokenizer,
@@ -749,7 +754,7 @@ class Trainer:
             sampling=sampling,
             context=self.spec.context,
         )
-        return Rollouts(venv, agent, seed=derive_seed(self.config.seed, seed_tag), lockstep=True)
+        return Rollouts(venv, agent, seed=seed, lockstep=True)
 
     def _offline_init(self) -> None:
         n0 = self.config.offline_rollouts
@@ -760,7 +765,8 @@ class Trainer:
             outcomes = json.loads(cache.read_text())
             self.log(f"offline values: {cache} (cached)")
         else:
-            side = self._side_rollouts(self.spec.train_split, self.config.temperature, "offline")
+            # seeded apart from the run seed: the values are a function of the cache key, shared by all seeds
+            side = self._side_rollouts(self.spec.train_split, self.config.temperature, derive_seed("offline"))
             try:
                 jobs = [Job(t, i * n0 + k) for i, t in enumerate(self.task_ids) for k in range(n0)]
                 done = collect(side, jobs)
@@ -797,7 +803,6 @@ class Trainer:
                 self.config.offline_rollouts,
                 self.config.temperature,
                 self.sampling.max_new_tokens,
-                self.config.seed,
             ],
         )
         name = hashlib.sha256(key.encode()).hexdigest()[:20]
@@ -806,8 +811,9 @@ class Trainer:
     def _evaluate(self) -> dict[str, float]:
         """Success on the fixed held-out tasks, with the policy of the current version."""
         started = time.perf_counter()
+        # the same episode seeds at every version and in every run with this seed: paired comparisons
         side = self._side_rollouts(
-            self.eval_split, self.config.eval_temperature, f"eval-{self.tracker.version}"
+            self.eval_split, self.config.eval_temperature, derive_seed(self.config.seed, "eval")
         )
         try:
             jobs = [Job(t, i) for i, t in enumerate(self.eval_tasks)]
