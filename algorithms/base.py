@@ -27,6 +27,7 @@ publication, checkpoints -- is shared, so swapping the algorithm is one argument
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import sys
@@ -262,12 +263,17 @@ def algorithm_class(spec: str) -> type[Algorithm]:
             path = Path(where)
             if not path.is_file():
                 raise FileNotFoundError(f"algorithm file {where!r} does not exist (from --algo {spec!r})")
-            mod_name = f"streamrl_user_{path.stem}"
-            module_spec = importlib.util.spec_from_file_location(mod_name, path)
-            assert module_spec is not None and module_spec.loader is not None
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[mod_name] = module
-            module_spec.loader.exec_module(module)
+            # one module per file (by resolved path), executed once however often it is named
+            resolved = str(path.resolve())
+            mod_name = f"streamrl_user_{path.stem}_{hashlib.sha1(resolved.encode()).hexdigest()[:8]}"
+            if mod_name in sys.modules:
+                module = sys.modules[mod_name]
+            else:
+                module_spec = importlib.util.spec_from_file_location(mod_name, path)
+                assert module_spec is not None and module_spec.loader is not None
+                module = importlib.util.module_from_spec(module_spec)
+                sys.modules[mod_name] = module
+                module_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(where)
         cls = getattr(module, attr, None)

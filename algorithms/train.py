@@ -43,7 +43,7 @@ import torch
 from streamrl.agents.base import SamplingParams, derive_seed
 from streamrl.agents.llm_agent import LLMAgent
 from streamrl.agents.trajectory import Trajectory
-from streamrl.algorithms.base import Algorithm, Episode, SetupContext, make_algorithm
+from streamrl.algorithms.base import Algorithm, Episode, SetupContext, algorithm_class, make_algorithm
 from streamrl.algorithms.learner import Learner, LearnerConfig
 from streamrl.algorithms.runtime import Finished, Job, Rollouts, collect
 from streamrl.algorithms.tracker import EventTracker, Ticket
@@ -205,6 +205,8 @@ class Trainer:
     ) -> None:
         self.log = log
         self.show_progress = progress
+        if algorithm is not None:
+            self._check_given_algorithm(config, algorithm)
         self.algorithm = algorithm if algorithm is not None else self._make_algorithm(config)
         self.config = config
         self.run_dir = Path(config.out)
@@ -218,6 +220,25 @@ class Trainer:
             self._resumed = True
 
     # -- validation -----------------------------------------------------------------------------------------
+    @staticmethod
+    def _check_given_algorithm(config: TrainConfig, algorithm: Algorithm) -> None:
+        """A ready-made algorithm must be the one ``config.algo`` names (the run's config.json rebuilds it on
+        resume), and its options live in its own config, not in ``config.algorithm``."""
+        try:
+            named = algorithm_class(config.algo)
+        except (ValueError, FileNotFoundError) as exc:
+            raise ConfigError(str(exc)) from exc
+        if type(algorithm) is not named:
+            raise ConfigError(
+                f"config.algo={config.algo!r} names {named.__qualname__}, but the algorithm given is a "
+                f"{type(algorithm).__qualname__}: set algo to its registry name or 'file.py:Class'"
+            )
+        if config.algorithm:
+            raise ConfigError(
+                f"config.algorithm overrides {sorted(config.algorithm)} are ignored when an algorithm object is "
+                "given: put them in its config"
+            )
+
     def _make_algorithm(self, config: TrainConfig) -> Algorithm:
         try:
             return make_algorithm(config.algo, env=config.env, **dict(config.algorithm))
