@@ -7,13 +7,10 @@ the episodes that finished -- first-ready, so a long episode never holds up a sh
 env worker failed comes back too, its trajectory marked with ``info["error"]``.
 
 Determinism. A job's env seed and the agent's episode id derive from the job's ``key`` (the ticket's
-dispatch index), never from the order in which results arrive. A backend seeds row ``i`` of a generation
-call with ``sampling.seed + i``; a fixed seed would replay the same noise in every call (every turn of an
-episode, every episode that lands in row 0), so each call's seed derives from the agent's seed and the
-(key, turn) of every row in it. With ``lockstep=True`` ``poll`` waits for every pending sub-env before
-generating, so the batches the backend sees are the same from run to run and a seeded run is reproducible
-bit for bit (the synchronous trainer, ``max_staleness=0``). Otherwise it takes what is ready, which is
-faster and nondeterministic in batch composition only.
+dispatch index), never from the order in which results arrive. With ``lockstep=True`` ``poll`` waits for
+every pending sub-env before generating, so the batches the backend sees are the same from run to run and a
+seeded run is reproducible bit for bit (the synchronous trainer, ``max_staleness=0``). Otherwise it takes
+what is ready, which is faster and nondeterministic in batch composition only.
 
 ``collect`` plays a fixed list of jobs to the end with no training (offline value initialization,
 held-out evaluation).
@@ -21,21 +18,15 @@ held-out evaluation).
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
+from streamrl.agents.base import derive_seed
 from streamrl.agents.llm_agent import LLMAgent
 from streamrl.agents.trajectory import Trajectory
 from streamrl.envs.vector import EnvResult, StreamingVectorEnv
-
-
-def derive_seed(*parts: object) -> int:
-    """A stable 31-bit seed from ``parts`` (run seed, purpose, index): independent of hashing salt and order."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
 @dataclass(frozen=True)
@@ -83,8 +74,6 @@ class Rollouts:
         self.seed = seed
         self.lockstep = lockstep
         self._running: dict[int, _Running] = {}  # by venv episode id
-        self._sampling_seed = agent.sampling.seed
-        """The agent's own seed; each generation call gets one derived from it (module doc)."""
         self.generation_seconds = 0.0
         """Wall time spent inside the agent's generation calls."""
         self.generated_tokens = 0
@@ -102,12 +91,7 @@ class Rollouts:
 
     def running_tokens(self) -> int:
         """Action tokens generated so far by jobs still in flight."""
-        total = 0
-        for run in self._running.values():
-            episode = self.agent._episodes.get(run.job.key)
-            if episode is not None:
-                total += episode.trajectory.num_action_tokens
-        return total
+        return self._tokens_of(self._running.values())
 
     # -- starting -----------------------------------------------------------------------------------------
     def start(self, jobs: Sequence[Job]) -> None:
@@ -153,11 +137,6 @@ class Rollouts:
             to_act.sort(key=lambda item: item[0].job.key)  # batch order independent of arrival order
             started = time.perf_counter()
             before = self._tokens_of([run for run, _ in to_act])
-            if self._sampling_seed is not None:
-                rows = tuple((run.job.key, run.steps) for run, _ in to_act)
-                self.agent.sampling = replace(
-                    self.agent.sampling, seed=derive_seed(self._sampling_seed, "generate", rows)
-                )
             actions = self.agent.act(
                 [r.obs for _, r in to_act], [r.info for _, r in to_act], [run.job.key for run, _ in to_act]
             )
@@ -168,12 +147,7 @@ class Rollouts:
         return finished
 
     def _tokens_of(self, runs: Iterable[_Running]) -> int:
-        total = 0
-        for run in runs:
-            episode = self.agent._episodes.get(run.job.key)
-            if episode is not None:
-                total += episode.trajectory.num_action_tokens
-        return total
+        return sum(self.agent.action_tokens(run.job.key) for run in runs)
 
     def _finish(self, result: EnvResult, run: _Running) -> Finished:
         del self._running[result.episode_id]
@@ -181,7 +155,7 @@ class Rollouts:
         if job.key in self.agent.active_episodes:
             trajectory = self.agent.end_episode(job.key)
         else:  # the reset itself failed: the agent never saw the episode
-            self.agent._pending.pop(job.key, None)
+            self.agent.discard(job.key)
             trajectory = Trajectory(task_id=job.task_id, ticket=job.ticket)
         info = dict(result.info)
         if result.error is not None:
@@ -202,10 +176,8 @@ class Rollouts:
     def abandon_all(self) -> list[Job]:
         """Stop every running job (their results are discarded) and return them, for requeueing."""
         jobs = self.running
-        for run in list(self._running.values()):
-            if run.job.key in self.agent.active_episodes:
-                self.agent.end_episode(run.job.key)
-            self.agent._pending.pop(run.job.key, None)
+        for run in self._running.values():
+            self.agent.discard(run.job.key)
         self._running.clear()
         while self.venv.num_pending:
             self.venv.recv(timeout=60.0, min_ready=self.venv.num_pending)
