@@ -787,8 +787,10 @@ class Trainer:
         )
 
     def _write_metrics(self, row: Mapping[str, Any], writer: Any) -> None:
+        # strict JSON: a non-finite value (e.g. an undefined explained variance) is written as null
+        clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
         with (self.run_dir / "metrics.jsonl").open("a") as f:
-            f.write(json.dumps(row, sort_keys=True) + "\n")
+            f.write(json.dumps(clean, sort_keys=True, allow_nan=False) + "\n")
         if writer is not None:
             step = int(row.get("update", self.updates))
             for key, value in row.items():
