@@ -39,7 +39,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import torch
 from streamrl.agents.trajectory import Trajectory
-from streamrl.algorithms.losses import LossAggregation, PolicyLoss
+from streamrl.algorithms.losses import (
+    LossAggregation,
+    PolicyLoss,
+    ppo_policy_loss,
+    rollout_importance_weights,
+)
 from streamrl.algorithms.tracker import EventTracker, Ticket, TrackerConfig
 
 if TYPE_CHECKING:
@@ -319,3 +324,25 @@ def scalar_advantages(
     raw = torch.tensor([e.reward - (e.ticket.baseline or 0.0) for e in episodes], dtype=torch.float64)
     lengths = torch.tensor([e.num_action_tokens for e in episodes], dtype=torch.float64)
     return [float(a) for a in compute(raw, lengths)]
+
+
+def truncated_is_ppo_loss(
+    inputs: PolicyInputs, *, eps_low: float, eps_high: float, dual_clip_c: float, is_threshold: float
+) -> PolicyLoss:
+    """The actor loss of SPO and SPO++ (docs/reference.md §3.6, §4.4): PPO-clip on pi / pi_old with bounds
+    [1 - eps_low, 1 + eps_high] and Dual-Clip c, each token's loss multiplied by the detached rollout importance
+    weight min(pi_old / pi_rollout, is_threshold), aggregated with the step's global counts."""
+    is_ = rollout_importance_weights(
+        inputs.old_logp, inputs.rollout_logp, inputs.mask, threshold=is_threshold
+    )
+    return ppo_policy_loss(
+        inputs.logp,
+        inputs.old_logp,
+        inputs.advantages,
+        inputs.mask,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        dual_clip_c=dual_clip_c,
+        is_weights=is_.weights,
+        agg=inputs.agg,
+    )

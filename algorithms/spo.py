@@ -26,8 +26,9 @@ from streamrl.algorithms.base import (
     PolicyInputs,
     register_algorithm,
     scalar_advantages,
+    truncated_is_ppo_loss,
 )
-from streamrl.algorithms.losses import PolicyLoss, ppo_policy_loss, rollout_importance_weights
+from streamrl.algorithms.losses import PolicyLoss
 from streamrl.algorithms.tracker import EventTracker, TrackerConfig, logprob_drift
 
 if TYPE_CHECKING:
@@ -72,19 +73,12 @@ class SPO(Algorithm):
 
     def policy_loss(self, inputs: PolicyInputs) -> PolicyLoss:
         c = self.config
-        is_ = rollout_importance_weights(
-            inputs.old_logp, inputs.rollout_logp, inputs.mask, threshold=c.is_threshold
-        )
-        return ppo_policy_loss(
-            inputs.logp,
-            inputs.old_logp,
-            inputs.advantages,
-            inputs.mask,
+        return truncated_is_ppo_loss(
+            inputs,
             eps_low=c.eps_low,
             eps_high=c.eps_high,
             dual_clip_c=c.dual_clip_c,
-            is_weights=is_.weights,
-            agg=inputs.agg,
+            is_threshold=c.is_threshold,
         )
 
     def after_update(
