@@ -84,6 +84,8 @@ class Rollouts:
         """Wall time spent inside the agent's generation calls."""
         self.generated_tokens = 0
         """Action tokens generated so far, finished or not."""
+        self._slot_seconds = 0.0
+        self._slots_since = time.perf_counter()
 
     # -- queries ------------------------------------------------------------------------------------------
     @property
@@ -94,6 +96,18 @@ class Rollouts:
     def running(self) -> list[Job]:
         """Jobs in flight, in start order."""
         return [r.job for r in sorted(self._running.values(), key=lambda r: r.job.key)]
+
+    def occupied_slot_seconds(self) -> float:
+        """Sub-env seconds spent holding a running job so far (the integral of ``len(running)`` over time):
+        over a window, divided by ``num_envs`` x its length, the rollout slots' utilization."""
+        self._count_slots()
+        return self._slot_seconds
+
+    def _count_slots(self) -> None:
+        """Close the current interval of constant occupancy (called before every change of it)."""
+        now = time.perf_counter()
+        self._slot_seconds += len(self._running) * (now - self._slots_since)
+        self._slots_since = now
 
     def running_tokens(self) -> int:
         """Action tokens generated so far by jobs still in flight."""
@@ -111,6 +125,7 @@ class Rollouts:
             raise ValueError(f"{len(jobs)} jobs but only {self.free_slots} free sub-envs")
         busy = {r.env_id for r in self._running.values()}
         free = [i for i in range(self.venv.num_envs) if i not in busy]
+        self._count_slots()
         for job, env_id in zip(jobs, free, strict=False):
             (episode_id,) = self.venv.reset_async(
                 [env_id],
@@ -166,6 +181,7 @@ class Rollouts:
         return total
 
     def _finish(self, result: EnvResult, run: _Running) -> Finished:
+        self._count_slots()
         del self._running[result.episode_id]
         job = run.job
         if job.key in self.agent.active_episodes:
@@ -196,6 +212,7 @@ class Rollouts:
             if run.job.key in self.agent.active_episodes:
                 self.agent.end_episode(run.job.key)
             self.agent._pending.pop(run.job.key, None)
+        self._count_slots()
         self._running.clear()
         while self.venv.num_pending:
             self.venv.recv(timeout=60.0, min_ready=self.venv.num_pending)
