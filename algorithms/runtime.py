@@ -6,6 +6,15 @@ are ready, asks the ``LLMAgent`` for all their actions in one batched generation
 the episodes that finished -- first-ready, so a long episode never holds up a short one. An episode whose
 env worker failed comes back too, its trajectory marked with ``info["error"]``.
 
+Batch window. The backend serves one call at a time, and a call costs about the same for one row as for
+many (a batched engine decodes every row in the same steps). An episode whose env step ends just after a
+call started waits for that whole call and then for its own, so generating for whatever is ready splits the
+episodes into cohorts that take turns at the backend -- each turn then costs up to a whole call more (with
+env steps much shorter than a call, about twice as long). So after the first ready result ``poll`` waits for
+the env steps still in flight, up to twice the typical env step and never longer than a typical call
+(running averages of both), and generates for all of them at once; a slow env step (a long tool call) is
+not waited for.
+
 Determinism. A job's env seed and the agent's episode id derive from the job's ``key`` (the ticket's
 dispatch index), never from the order in which results arrive. With ``lockstep=True`` ``poll`` waits for
 every pending sub-env before generating, so the batches the backend sees are the same from run to run and a
@@ -86,6 +95,8 @@ class Rollouts:
         """Action tokens generated so far, finished or not."""
         self._slot_seconds = 0.0
         self._slots_since = time.perf_counter()
+        self._step_seconds = 0.0  # running averages (batch window, module doc)
+        self._call_seconds = 0.0
 
     # -- queries ------------------------------------------------------------------------------------------
     @property
@@ -145,6 +156,9 @@ class Rollouts:
             return []
         wait_for = self.venv.num_pending if self.lockstep else 1
         results = self.venv.recv(timeout=timeout, min_ready=wait_for)
+        window = min(self._call_seconds, 2.0 * self._step_seconds)
+        if results and window > 0 and self.venv.num_pending:
+            results += self.venv.recv(timeout=window, min_ready=self.venv.num_pending)
         finished: list[Finished] = []
         to_act: list[tuple[_Running, EnvResult]] = []
         for result in results:
@@ -155,6 +169,8 @@ class Rollouts:
             if not result.is_reset:
                 run.steps += 1
                 run.reward += float(result.reward)
+                if result.error is None:
+                    self._step_seconds = _average(self._step_seconds, result.env_seconds)
             if result.done:
                 finished.append(self._finish(result, run))
             else:
@@ -166,7 +182,9 @@ class Rollouts:
             actions = self.agent.act(
                 [r.obs for _, r in to_act], [r.info for _, r in to_act], [run.job.key for run, _ in to_act]
             )
-            self.generation_seconds += time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            self.generation_seconds += seconds
+            self._call_seconds = _average(self._call_seconds, seconds)
             self.generated_tokens += self._tokens_of([run for run, _ in to_act]) - before
             for (run, _), action in zip(to_act, actions, strict=True):
                 self.venv.send([run.env_id], [action])
@@ -217,6 +235,11 @@ class Rollouts:
         while self.venv.num_pending:
             self.venv.recv(timeout=60.0, min_ready=self.venv.num_pending)
         return jobs
+
+
+def _average(mean: float, value: float, weight: float = 0.2) -> float:
+    """Exponential running average (the first value starts it)."""
+    return value if mean == 0.0 else (1 - weight) * mean + weight * value
 
 
 def collect(rollouts: Rollouts, jobs: Sequence[Job], progress: Any = None) -> list[Finished]:
