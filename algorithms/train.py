@@ -98,7 +98,8 @@ class TrainConfig:
     checkpoint_every: int = 10
     """Updates between checkpoints (also on SIGINT/SIGTERM and at the end)."""
     keep_versions: int = 3
-    """Published policy versions kept on disk (at least max_staleness + 1)."""
+    """Published policy versions kept on disk (at least max_staleness + 1); the version the last checkpoint
+    serves is kept too, for a resume."""
     overlap: bool | None = None
     """Generate while the learner updates; ``None`` = only with an out-of-process backend (vLLM)."""
     env_workers: EnvWorkers = "subprocess"
@@ -368,6 +369,7 @@ class Trainer:
         self.learner_busy = 0.0
         self.started = time.perf_counter()
         self._slots_at_row = (self.started, 0.0)  # (time, occupied slot-seconds) at the previous row
+        self._checkpoint_version: int | None = None  # the policy version the last checkpoint serves
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.probe = self._probe_sequence()
 
@@ -645,6 +647,7 @@ class Trainer:
                 old.name.startswith("v")
                 and old.name[1:].isdigit()
                 and int(old.name[1:]) <= version - self.config.keep_versions
+                and int(old.name[1:]) != self._checkpoint_version  # a resume serves it again
             ):
                 shutil.rmtree(old, ignore_errors=True)
         return version
@@ -900,6 +903,7 @@ class Trainer:
             os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
+        self._checkpoint_version = self.tracker.version
 
     @staticmethod
     def _episode_json(episode: Episode) -> dict[str, Any]:
@@ -936,6 +940,7 @@ class Trainer:
         self.generator_busy = state["time"]["generator_busy"]
         self.learner_busy = state["time"]["learner_busy"]
         version = int(state["backend_version"])
+        self._checkpoint_version = version
         if version > 0:  # serve the published policy of the checkpointed version, not the learner's weights
             self._serve(self.run_dir / "policy" / f"v{version}", version)
         self.log(
