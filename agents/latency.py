@@ -149,7 +149,7 @@ class LatencyPrompt:
     stop_strings: tuple[str, ...] = ()
 
     def system_prompt(self, first_observation: str, info: Mapping[str, Any]) -> str:
-        return "You are an agent in a timed text game. Reply with your next move."
+        return "Reply with your next move."
 
     def user_message(self, observation: str, info: Mapping[str, Any], turn: int) -> str:
         return observation.strip()

@@ -224,9 +224,10 @@ class LatencyEnv(gym.Env[str, str]):
         return self._observation(), reward, self._done, False, self._info(action_valid=bool(action.strip()))
 
     def _observation(self) -> str:
+        # Short: every observation token costs the learner a forward and a backward pass.
         if self._done:
-            return f"The task {self._task_id} is over: {'success' if self._won else 'failure'}."
-        return f"Task {self._task_id}, turn {self._turn + 1}. What next?"
+            return "Success." if self._won else "Failure."
+        return f"Task {self._task_id}." if self._turn == 0 else f"Turn {self._turn + 1}."
 
     def _info(self, action_valid: bool) -> dict[str, Any]:
         return {
