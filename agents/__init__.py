@@ -42,7 +42,6 @@ _EXPORTS = {
     "Trajectory": "trajectory",
     "TokenSequence": "trajectory",
     "TurnRecord": "trajectory",
-    "finalize": "trajectory",
     "MathSolverAgent": "math_solver",
     "ALFWorldExpertAgent": "alfworld_agents",
     "ALFWorldRandomAgent": "alfworld_agents",

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from streamrl.agents.base import EpisodeId
+from streamrl.envs.alfworld_text import task_goal
 
 __all__ = ["ALFWorldExpertAgent", "ALFWorldRandomAgent", "ALFWorldSearchAgent", "ALFWorldTask"]
 
@@ -119,7 +120,6 @@ _TASK_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
 # The receptacle type that performs each state change (ALFWorld's heat / cool / clean preconditions).
 _TOOLS: dict[str, str] = {"heat": "microwave", "cool": "fridge", "clean": "sinkbasin"}
 _ROOM_RE = re.compile(r"Looking quickly around you, you see (.+?)\.\s*$", re.MULTILINE)
-_TASK_RE = re.compile(r"Your task is to:\s*(.+?)\.?\s*$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -213,15 +213,15 @@ class ALFWorldSearchAgent:
 
     @staticmethod
     def _read_first_observation(obs: str, eid: EpisodeId) -> tuple[ALFWorldTask, list[str]]:
-        task_match, room_match = _TASK_RE.search(obs), _ROOM_RE.search(obs)
-        if task_match is None or room_match is None:
+        goal, room_match = task_goal(obs), _ROOM_RE.search(obs)
+        if goal is None or room_match is None:
             raise ValueError(
                 f"episode {eid!r}: the first observation must contain the room description ('Looking "
                 f"quickly around you, you see ...') and 'Your task is to: ...'; got {obs[:200]!r}"
             )
         items = re.split(r",\s*(?:and\s+)?|\s+and\s+", room_match.group(1))
         receptacles = [re.sub(r"^(?:a|an)\s+", "", item.strip()) for item in items if item.strip()]
-        return ALFWorldTask.parse(task_match.group(1)), receptacles
+        return ALFWorldTask.parse(goal), receptacles
 
     @staticmethod
     def decide(

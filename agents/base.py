@@ -7,16 +7,29 @@ token record a learner needs (``None`` for agents that keep none, such as script
 
 A *generation backend* is token ids in, token ids and per-token log-probs out; LoRA adapters are
 published to it by version with ``set_adapter``. See ``streamrl.agents.hf_backend`` (embedded default)
-and ``streamrl.agents.vllm_backend`` (fast path).
+and ``streamrl.agents.vllm_backend`` (fast path). What both backends check and derive the same way lives
+here: ``check_score_inputs`` and ``request_seeds``. ``derive_seed`` makes stable seeds from a run seed, e.g. the
+one an ``LLMAgent`` samples each (episode, turn) with.
 """
 
 from __future__ import annotations
 
+import hashlib
+import random
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from streamrl.agents.trajectory import Trajectory
 
 EpisodeId = Hashable
+
+FinishReason = Literal["stop", "length"]
+"""Why a generation ended: "stop" (an EOS token, a stop id or a stop string) or "length" (the budget)."""
+
+SEED_BITS = 62
+"""Seeds handed to a backend are in ``[0, 2**62)``: what both engines accept, with room for ``seed + i``."""
 
 
 @runtime_checkable
@@ -33,7 +46,7 @@ class Agent(Protocol):
         ``episode_ids[i]`` (the reset observation on its first call) and ``infos[i]`` the matching info."""
         ...
 
-    def end_episode(self, episode_id: EpisodeId) -> Any | None:
+    def end_episode(self, episode_id: EpisodeId) -> Trajectory | None:
         """Forget ``episode_id``; return its token record (or ``None`` if the agent keeps none)."""
         ...
 
@@ -43,7 +56,9 @@ class SamplingParams:
     """Decoding controls shared by every backend.
 
     Defaults are the SPO++ rollout setting (temperature 1, top-p 1, top-k off). ``top_k=0`` disables top-k.
-    ``seed`` makes a call reproducible on the same backend; ``None`` draws from the backend's generator.
+    ``seed`` makes a call reproducible on the same backend: prompt ``i`` of the call samples with ``seed + i``
+    (unless the call passes its own per-prompt ``seeds``); ``None`` draws from the backend's generator. An
+    ``LLMAgent`` reads it as the *run* seed and derives one seed per (episode, turn) from it (``derive_seed``).
     """
 
     max_new_tokens: int = 256
@@ -75,7 +90,7 @@ class Generation:
 
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" (eos / stop id / stop string) or "length"
+    finish_reason: FinishReason
     adapter_version: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -84,8 +99,14 @@ class Generation:
 class GenerationBackend(Protocol):
     """Token ids in, token ids and per-token log-probs out."""
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
-        """Complete every prompt (batched where the engine can)."""
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seeds: Sequence[int] | None = None,
+    ) -> list[Generation]:
+        """Complete every prompt (batched where the engine can). ``seeds[i]``, when given, seeds prompt ``i``'s
+        sample whatever else shares the call (it overrides ``params.seed``; see ``request_seeds``)."""
         ...
 
     def score(self, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]) -> list[list[float]]:
@@ -102,3 +123,50 @@ class GenerationBackend(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What every backend checks and derives the same way
+
+
+def check_score_inputs(sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]) -> None:
+    """Raise ``ValueError`` unless there is one prompt length per sequence and each is in ``[1, len]``
+    (the first token has no log-prob: nothing precedes it)."""
+    if len(sequences) != len(prompt_lengths):
+        raise ValueError(f"{len(sequences)} sequences but {len(prompt_lengths)} prompt lengths")
+    for i, (seq, p) in enumerate(zip(sequences, prompt_lengths, strict=True)):
+        if not 1 <= p <= len(seq):
+            raise ValueError(f"prompt_lengths[{i}]={p} must be in [1, len(sequence)={len(seq)}]")
+
+
+def request_seeds(
+    count: int, params: SamplingParams, generator: random.Random, seeds: Sequence[int] | None = None
+) -> list[int]:
+    """The seed of each of ``count`` requests of one ``generate`` call.
+
+    ``seeds`` as given when the caller names one per prompt; else ``params.seed + i`` for prompt ``i``;
+    else draws from the backend's own ``generator`` (seeded by its config, so a run is reproducible when its
+    calls come in the same order).
+    """
+    if seeds is not None:
+        if len(seeds) != count:
+            raise ValueError(f"{count} prompts but {len(seeds)} seeds")
+        for i, s in enumerate(seeds):
+            if not 0 <= s < 1 << SEED_BITS:
+                raise ValueError(f"seeds[{i}]={s} must be in [0, 2**{SEED_BITS})")
+        return [int(s) for s in seeds]
+    if params.seed is None:
+        return [generator.randrange(1 << SEED_BITS) for _ in range(count)]
+    return [params.seed + i for i in range(count)]
+
+
+def derive_seed(*parts: object) -> int:
+    """A stable 31-bit seed from ``parts``, e.g. (run seed, purpose, index) or (run seed, episode id, turn).
+
+    A hash (BLAKE2b) of ``repr(parts)``: the same parts give the same seed in any process (unlike ``hash()``,
+    which is salted per process for strings), different parts give unrelated seeds. Stable for parts made of
+    ints, strings and tuples of them (whose ``repr`` is their value). 31 bits: valid for every consumer
+    (numpy, gymnasium, torch, vLLM).
+    """
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF

@@ -51,8 +51,8 @@ class EnvSpec:
     def llm_agent(self, backend: GenerationBackend, sampling: SamplingParams | None = None) -> LLMAgent:
         """An ``LLMAgent`` on ``backend`` with this env's prompt format and context policy; ``sampling``
         defaults to temperature 1 and the spec's ``max_new_tokens``."""
-        # No per-call seed by default: a fixed one would replay the same random draws at every turn. The
-        # backend's own generator (e.g. HFBackendConfig.seed) makes a run reproducible instead.
+        # No run seed by default: the backend's own generator (HFBackendConfig.seed) draws; pass sampling with
+        # a seed for per-episode, per-turn seeds derived from it (LLMAgent).
         sampling = sampling or SamplingParams(max_new_tokens=self.max_new_tokens)
         return LLMAgent(backend, prompt_format=self.prompt(), sampling=sampling, context=self.context)
 
@@ -203,20 +203,11 @@ def make_env(name: str, split: str, **kwargs: Any) -> Any:
 
 
 def task_ids_of(env: Any, env_name: str | None = None) -> list[str]:
-    """Stable task ids an env can play, in its split order (``task_ids``, or the ids of ``tasks``).
+    """Stable task ids a ``TextEnv`` can play, in its split order (``env.unwrapped.task_ids``).
 
-    With ``env_name``, only the tasks its spec's ``task_filter`` keeps (the ones SFT trains and evaluates on).
+    With ``env_name``, only the tasks its spec's ``task_filter`` keeps (the ones SFT and RL train and evaluate on).
     """
-    inner = env.unwrapped
-    if hasattr(inner, "task_ids"):
-        ids = inner.task_ids
-        out = list(ids() if callable(ids) else ids)
-    elif hasattr(inner, "tasks"):
-        out = [t.task_id for t in inner.tasks]
-    else:
-        raise TypeError(
-            f"{type(inner).__name__} exposes neither task_ids nor tasks; cannot enumerate its tasks"
-        )
+    out = list(env.unwrapped.task_ids)
     task_filter = env_spec(env_name).task_filter if env_name is not None else None
     if task_filter is not None:
         keep = task_filter(env)

@@ -9,14 +9,24 @@ model's KV cache rather than ``model.generate``, because RL needs things ``gener
   this is exactly the model's log-prob, which ``score`` recomputes. Greedy decoding (temperature 0) reports the
   model's temperature-1 log-prob of the argmax token.
 - per-request seeds that do not depend on the batch: row ``i`` of a call samples with its own generator seeded
-  ``seed + i`` (Gumbel-style ``argmax(p / Exp(1))``, as vLLM does for seeded requests), so a prompt's sample
-  is reproducible whatever else shares its batch.
+  ``seeds[i]`` or ``seed + i`` (``streamrl.agents.base.request_seeds``; Gumbel-style ``argmax(p / Exp(1))``, as
+  vLLM does for seeded requests), so a prompt's sample is reproducible whatever else shares its batch.
 - stop strings checked on the decoded tail of each row; the token that completes a stop string is kept (a
   token cannot be cut), ``Generation.extra["stop"]`` names what stopped it.
 
-Batches are left-padded with explicit position ids ``cumsum(attention_mask) - 1`` (docs/platform.md §2), and rows
-that finish leave the batch (their KV-cache rows are dropped). LoRA adapters saved by peft are loaded by
-version with ``set_adapter``; ``set_adapter(None, v)`` serves the base weights without unloading.
+Batches are left-padded with explicit position ids ``cumsum(attention_mask) - 1`` (docs/platform.md §2), and
+rows that finish leave the batch (their KV-cache rows are dropped).
+
+Adapters. ``set_adapter(path, v)`` loads the peft adapter saved at ``path`` under a name of the backend's own
+(``streamrl-v<v>-load<n>``) and serves it; the backend's previous loads are then deleted. ``set_adapter(None,
+v)`` serves the base weights (every adapter disabled during the backend's forward passes) without deleting
+anything. A model handed over already loaded -- e.g. the learner's own ``PeftModel`` -- is the caller's: it is
+served *as is* (its active adapter, version 0) until the first ``set_adapter``, and the backend never deletes,
+deactivates or freezes the caller's adapters: a published adapter is loaded next to them and made active only
+for the duration of the backend's own passes (the active adapter and every ``requires_grad`` flag are restored
+afterwards), so a learner can keep training its adapter in place. (A plain ``PreTrainedModel`` handed over
+is wrapped by peft at the first load, which injects the adapter's layers into its modules.) The backend does
+put the model in eval mode (dropout off), at construction and when it loads an adapter.
 """
 
 from __future__ import annotations
@@ -25,12 +35,18 @@ import os
 import random
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from streamrl.agents.base import Generation, SamplingParams
+from streamrl.agents.base import (
+    FinishReason,
+    Generation,
+    SamplingParams,
+    check_score_inputs,
+    request_seeds,
+)
 from streamrl.agents.batch import pad_right
 from streamrl.agents.logprobs import position_ids_from_mask, token_logprobs
 from streamrl.agents.models import load_tokenizer, resolve_model
@@ -44,7 +60,7 @@ class HFBackendConfig:
 
     device: str = "auto"
     """"auto" = "cuda" when available, else "cpu"; or any torch device string."""
-    dtype: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """"auto" = bfloat16 on a GPU that supports it, float32 otherwise; or "float32" / "bfloat16" / "float16"."""
     max_batch_size: int = 32
     """Prompts per forward pass; longer calls are split into chunks."""
@@ -97,6 +113,12 @@ def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     return torch.log_softmax(scaled, dim=-1)
 
 
+def _is_peft_model(model: Any) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
 class HFBackend:
     """Generation and scoring with a transformers causal LM; LoRA adapters by version (see module doc)."""
 
@@ -108,7 +130,8 @@ class HFBackend:
         config: HFBackendConfig | None = None,
     ) -> None:
         """``model``: a registry name (``"tiny"``, ``"smollm2-135m"``), a local HF directory, or an already
-        loaded ``PreTrainedModel`` / ``PeftModel`` (then ``tokenizer`` is required and the model is used as is)."""
+        loaded ``PreTrainedModel`` / ``PeftModel`` (then ``tokenizer`` is required and the model is served as
+        is, its active adapter included; see the module doc for what ``set_adapter`` does to it)."""
         self.config = config or HFBackendConfig()
         if self.config.num_threads is not None:
             torch.set_num_threads(self.config.num_threads)
@@ -128,12 +151,17 @@ class HFBackend:
             self._model = model
             self.tokenizer = tokenizer
             self.device = next(model.parameters()).device
+        # A PeftModel handed over is the caller's: its adapters are not the backend's to delete or switch.
+        self._callers_model = self.model_path is None and _is_peft_model(self._model)
         self._model.eval()
         self._lock = threading.RLock()
         self._seeds = random.Random(self.config.seed)
         self._version = 0
-        self._adapter_name: str | None = None
+        self._adapter_name: str | None = None  # the backend's own adapter being served
+        self._base_weights = False  # set_adapter(None, v): serve with every adapter disabled
+        self._loaded: list[str] = []  # adapter names this backend loaded (the only ones it deletes)
         self._loads = 0  # adapters loaded so far (each gets a fresh peft adapter name)
+        self._closed = False
         self.pad_token_id = int(
             self.tokenizer.pad_token_id
             if self.tokenizer.pad_token_id is not None
@@ -148,6 +176,10 @@ class HFBackend:
     def model(self) -> Any:
         """The served model (a ``PeftModel`` once an adapter has been loaded)."""
         return self._model
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("HFBackend is closed (close() dropped its model); create a new HFBackend")
 
     @property
     def adapter_version(self) -> int:
@@ -166,13 +198,13 @@ class HFBackend:
     # -- adapters -----------------------------------------------------------------------------------------
 
     def set_adapter(self, path: str | os.PathLike[str] | None, version: int) -> None:
-        """Serve the peft adapter saved at ``path`` as ``version`` (``None`` = the base weights)."""
+        """Serve the peft adapter saved at ``path`` as ``version``; ``None`` = the base weights (module doc)."""
         if version < 0:
             raise ValueError(f"adapter version must be >= 0, got {version}")
         with self._lock:
+            self._check_open()
             if path is None:
-                self._adapter_name = None
-                self._version = version
+                self._adapter_name, self._base_weights, self._version = None, True, version
                 return
             from peft import PeftModel
 
@@ -180,46 +212,69 @@ class HFBackend:
             if not os.path.isfile(os.path.join(path, "adapter_config.json")):
                 raise FileNotFoundError(f"{path} is not a peft adapter directory (no adapter_config.json)")
             # A fresh name per load: the new weights are loaded next to the served ones, switched to, and only
-            # then is everything else dropped (re-publishing a version number, or going back to an adapter
-            # after serving the base weights, needs no special case).
+            # then are the backend's earlier loads dropped (re-publishing a version number, or going back to an
+            # adapter after serving the base weights, needs no special case).
             self._loads += 1
-            name = f"v{version}-load{self._loads}"
+            name = f"streamrl-v{version}-load{self._loads}"
             if isinstance(self._model, PeftModel):
-                self._model.load_adapter(path, adapter_name=name, is_trainable=False)
-                self._model.set_adapter(name)
-                for old in [n for n in self._model.peft_config if n != name]:
-                    self._model.delete_adapter(old)
+                with self._callers_state_kept():
+                    self._model.load_adapter(path, adapter_name=name, is_trainable=False)
+                    if not self._callers_model:
+                        self._model.set_adapter(name, inference_mode=True)
+                    for old in self._loaded:
+                        self._model.delete_adapter(old)
             else:
                 self._model = PeftModel.from_pretrained(
                     self._model, path, adapter_name=name, is_trainable=False
                 )
                 self._model.to(self.device)
             self._model.eval()
-            self._adapter_name = name
-            self._version = version
+            self._loaded = [name]
+            self._adapter_name, self._base_weights, self._version = name, False, version
+
+    @contextmanager
+    def _callers_state_kept(self) -> Iterator[None]:
+        """Restore a caller's model's active adapter and ``requires_grad`` flags on exit (peft's
+        ``set_adapter``, ``load_adapter`` and ``disable_adapter`` change them); a no-op on the backend's own."""
+        if not self._callers_model:
+            yield
+            return
+        model = self._model
+        active = model.active_adapter
+        flags = {id(p): p.requires_grad for p in model.parameters()}
+        try:
+            yield
+        finally:
+            if model.active_adapter != active:
+                model.set_adapter(active)
+            for p in model.parameters():  # an adapter loaded meanwhile is the backend's: never trained
+                p.requires_grad_(flags.get(id(p), False))
 
     @contextmanager
     def _serving(self) -> Iterator[None]:
-        """Forward passes run under this: the base weights when no adapter is selected."""
+        """Forward passes run under this: the selected weights, whatever the model's own active adapter."""
         from peft import PeftModel
 
+        self._check_open()
+        model = self._model
         with torch.inference_mode():
-            if isinstance(self._model, PeftModel) and self._adapter_name is None:
-                with self._model.disable_adapter():
+            if not isinstance(model, PeftModel):
+                yield
+            elif self._base_weights:
+                with self._callers_state_kept(), model.disable_adapter():
+                    yield
+            elif self._adapter_name is not None and self._adapter_name != model.active_adapter:
+                with self._callers_state_kept():  # the backend's adapter in the caller's model
+                    model.set_adapter(self._adapter_name, inference_mode=True)
                     yield
             else:
-                with nullcontext():
-                    yield
+                yield  # the model's active adapter is the one to serve
 
     # -- scoring ------------------------------------------------------------------------------------------
 
     def score(self, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]) -> list[list[float]]:
         """Log-probs (temperature 1, no filtering) of ``sequences[i][prompt_lengths[i]:]`` given what precedes."""
-        if len(sequences) != len(prompt_lengths):
-            raise ValueError(f"{len(sequences)} sequences but {len(prompt_lengths)} prompt lengths")
-        for i, (seq, p) in enumerate(zip(sequences, prompt_lengths, strict=True)):
-            if not 1 <= p <= len(seq):
-                raise ValueError(f"prompt_lengths[{i}]={p} must be in [1, len(sequence)={len(seq)}]")
+        check_score_inputs(sequences, prompt_lengths)
         results: list[list[float]] = []
         with self._lock, self._serving():
             for start in range(0, len(sequences), self.config.max_batch_size):
@@ -233,8 +288,14 @@ class HFBackend:
 
     # -- generation ---------------------------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seeds: Sequence[int] | None = None,
+    ) -> list[Generation]:
         """Complete every prompt; see the module doc for what the log-probs and seeds mean."""
+        self._check_open()
         if not prompts:
             return []
         for i, prompt in enumerate(prompts):
@@ -245,14 +306,11 @@ class HFBackend:
                     f"prompts[{i}] has {len(prompt)} tokens; the model's context is {self.max_positions} tokens"
                 )
         with self._lock:
-            if params.seed is None:
-                seeds = [self._seeds.randrange(1 << 62) for _ in prompts]
-            else:
-                seeds = [params.seed + i for i in range(len(prompts))]
+            row_seeds = request_seeds(len(prompts), params, self._seeds, seeds)
             out: list[Generation] = []
             for start in range(0, len(prompts), self.config.max_batch_size):
                 stop = start + self.config.max_batch_size
-                out.extend(self._generate_chunk(prompts[start:stop], seeds[start:stop], params))
+                out.extend(self._generate_chunk(prompts[start:stop], row_seeds[start:stop], params))
             return out
 
     def _generate_chunk(
@@ -346,7 +404,7 @@ class HFBackend:
         params: SamplingParams,
         stop_tail: int,
         budget: int,
-    ) -> tuple[str | None, Any]:
+    ) -> tuple[FinishReason | None, Any]:
         if token in stop_ids:
             return "stop", token
         if params.stop_strings:
@@ -359,6 +417,8 @@ class HFBackend:
         return None, None
 
     def close(self) -> None:
-        """Drop the model (frees its memory once no one else holds a reference)."""
+        """Drop the model (frees its memory once no one else holds a reference); idempotent. Later calls
+        raise ``RuntimeError``."""
         with self._lock:
             self._model = None
+            self._closed = True

@@ -16,12 +16,18 @@ Context policies (``ContextPolicy``):
   or problem, always kept), then the last ``window_turns`` (action, observation) pairs re-rendered as context,
   then the current observation; older turns are dropped first when over ``max_context_tokens``.
 
-Outcomes: the env's stepper fills reward / won / terminated / truncated with ``Trajectory.set_outcome``, or
-with ``streamrl.agents.trajectory.finalize(result)`` after ``play_episode``::
+Seeds: ``sampling.seed`` is the *run* seed. Turn ``t`` of episode ``e`` samples with its own seed
+``derive_seed(run seed, e, t)`` (``streamrl.agents.base``), whatever else shares the backend call, so episodes
+that act on the same prompt in separate calls (a replayed task, the members of a group) draw different
+samples, and a run replays exactly from its seed and episode ids. The seed is kept in
+``TurnRecord.seed``: a turn's tokens are ``backend.generate([prompt], params, seeds=[seed])``. With
+``sampling.seed=None`` the backend's own generator draws every seed (``TurnRecord.seed`` is then ``None``).
+
+Outcomes: ``play_episode`` fills reward / won / terminated / truncated and the final info into the record it
+returns; whoever steps the env itself (a vector env's runtime) calls ``Trajectory.set_outcome``::
 
     agent = LLMAgent(HFBackend("tiny"), prompt_format=ALFWorldPrompt())
-    result = play_episode(env, agent)
-    trajectory = finalize(result)   # == result.record with the outcome filled in
+    trajectory = play_episode(env, agent).record
 """
 
 from __future__ import annotations
@@ -31,16 +37,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from streamrl.agents.base import EpisodeId, GenerationBackend, SamplingParams
+from streamrl.agents.base import EpisodeId, Generation, GenerationBackend, SamplingParams, derive_seed
 from streamrl.agents.prompts import PromptFormat
-from streamrl.agents.trajectory import TokenSequence, Trajectory, TurnRecord
+from streamrl.agents.trajectory import CONTEXT_POLICIES, ContextMode, TokenSequence, Trajectory, TurnRecord
 
 
 @dataclass(frozen=True)
 class ContextPolicy:
     """What the policy sees at each turn."""
 
-    mode: str = "full"
+    mode: ContextMode = "full"
     """"full": the whole episode in one sequence (SPO++); "window": the last ``window_turns`` turns (verl-agent)."""
     window_turns: int = 2
     """``k``: past (action, observation) pairs kept in "window" mode (the first observation is always kept)."""
@@ -48,8 +54,8 @@ class ContextPolicy:
     """Budget for prompt + generation of one turn (the sequence length in "full" mode)."""
 
     def __post_init__(self) -> None:
-        if self.mode not in ("full", "window"):
-            raise ValueError(f"context mode must be 'full' or 'window', got {self.mode!r}")
+        if self.mode not in CONTEXT_POLICIES:
+            raise ValueError(f"context mode must be one of {CONTEXT_POLICIES}, got {self.mode!r}")
         if self.window_turns < 0:
             raise ValueError(f"window_turns must be >= 0, got {self.window_turns}")
         if self.max_context_tokens < 2:
@@ -109,6 +115,7 @@ class ChatTokens:
 
 @dataclass
 class _Episode:
+    episode_id: EpisodeId
     trajectory: Trajectory
     messages: list[dict[str, str]]
     first_user: dict[str, str]
@@ -125,15 +132,16 @@ class LLMAgent:
     def __init__(
         self,
         backend: GenerationBackend,
+        *,
+        prompt_format: PromptFormat,
         tokenizer: Any = None,
-        prompt_format: PromptFormat | None = None,
         sampling: SamplingParams | None = None,
         context: ContextPolicy | None = None,
     ) -> None:
-        """``tokenizer`` defaults to ``backend.tokenizer``; ``sampling`` to temperature 1 and 64 new tokens;
-        the prompt format's stop strings are added to ``sampling.stop_strings``."""
-        if prompt_format is None:
-            raise ValueError("LLMAgent needs prompt_format=..., e.g. ALFWorldPrompt() or MathTIRPrompt()")
+        """``prompt_format``: how observations become messages and replies become actions (e.g.
+        ``ALFWorldPrompt()``, ``MathTIRPrompt()``); its stop strings are added to ``sampling.stop_strings``.
+        ``tokenizer`` defaults to ``backend.tokenizer``; ``sampling`` to temperature 1 and 64 new tokens, its
+        ``seed`` being the run seed (module doc)."""
         self.backend = backend
         self.tokenizer: Any = tokenizer if tokenizer is not None else getattr(backend, "tokenizer", None)
         if self.tokenizer is None:
@@ -165,7 +173,7 @@ class LLMAgent:
         )
         system = {"role": "system", "content": self.prompt_format.system_prompt(observation, info)}
         first = {"role": "user", "content": self.prompt_format.user_message(observation, info, 0)}
-        episode = _Episode(trajectory, [system, first], first)
+        episode = _Episode(episode_id, trajectory, [system, first], first)
         self._episodes[episode_id] = episode
         return episode
 
@@ -249,11 +257,17 @@ class LLMAgent:
             by_budget.setdefault(min(self.sampling.max_new_tokens, room), []).append(job)
         for max_new, group in by_budget.items():
             params = replace(self.sampling, max_new_tokens=max_new)
+            seeds = None
+            if params.seed is not None:
+                seeds = [
+                    derive_seed(params.seed, e.episode_id, len(e.trajectory.turns)) for _, e, _, _ in group
+                ]
             started = time.perf_counter()
-            generations = self.backend.generate([ids for _, _, ids, _ in group], params)
+            generations = self.backend.generate([ids for _, _, ids, _ in group], params, seeds)
             seconds = time.perf_counter() - started
-            for (i, episode, ids, start), gen in zip(group, generations, strict=True):
-                actions[i] = self._record_turn(episode, ids, start, gen, seconds, infos[i])
+            for j, ((i, episode, ids, start), gen) in enumerate(zip(group, generations, strict=True)):
+                seed = None if seeds is None else seeds[j]
+                actions[i] = self._record_turn(episode, ids, start, gen, seed, seconds, infos[i])
         now = time.perf_counter()
         for eid in episode_ids:
             self._episodes[eid].last_return = now
@@ -264,7 +278,8 @@ class LLMAgent:
         episode: _Episode,
         prompt: list[int],
         start: int,
-        gen: Any,
+        gen: Generation,
+        seed: int | None,
         seconds: float,
         info: Mapping[str, Any],
     ) -> str:
@@ -294,6 +309,7 @@ class LLMAgent:
                 finish_reason=gen.finish_reason,
                 adapter_version=gen.adapter_version,
                 action_valid=None if parsed.valid else False,
+                seed=seed,
                 generation_seconds=seconds,
             )
         )
@@ -315,7 +331,8 @@ class LLMAgent:
         )
 
     def end_episode(self, episode_id: EpisodeId) -> Trajectory:
-        """Close ``episode_id`` and return its ``Trajectory`` (outcome fields to be filled by the caller)."""
+        """Close ``episode_id`` and return its ``Trajectory``; its outcome is the env stepper's to fill
+        (``play_episode`` does; otherwise ``Trajectory.set_outcome``)."""
         self._pending.pop(episode_id, None)
         episode = self._episodes.pop(episode_id, None)
         if episode is None:
@@ -326,6 +343,17 @@ class LLMAgent:
         trajectory.timings["finish"] = time.time()
         trajectory.validate()
         return trajectory
+
+    def discard(self, episode_id: EpisodeId) -> None:
+        """Forget ``episode_id`` (begun or running) without a record: an episode the caller abandons, or one
+        whose env failed before the agent ever acted. Unknown ids are ignored."""
+        self._pending.pop(episode_id, None)
+        self._episodes.pop(episode_id, None)
+
+    def action_tokens(self, episode_id: EpisodeId) -> int:
+        """Tokens generated so far in the running episode ``episode_id`` (0 before its first ``act``)."""
+        episode = self._episodes.get(episode_id)
+        return 0 if episode is None else episode.trajectory.num_action_tokens
 
     @property
     def active_episodes(self) -> list[EpisodeId]:

@@ -12,7 +12,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from streamrl.agents.logprobs import token_logprobs
@@ -28,7 +28,7 @@ class LoRAConfig:
     """Scale numerator: the update is multiplied by ``alpha / rank``."""
     dropout: float = 0.0
     """Dropout on the adapter input (0 keeps rollout and training log-probs identical)."""
-    target_modules: str | tuple[str, ...] = "all-linear"
+    target_modules: Literal["all-linear"] | tuple[str, ...] = "all-linear"
     """peft's "all-linear" (every linear layer except the output head) or module-name suffixes such as
     ("q_proj", "v_proj")."""
     seed: int = 0

@@ -22,22 +22,20 @@ choices: ``docs/platform.md`` §1.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import glob
 import hashlib
 import importlib.util
 import json
 import os
 import random
-import shutil
 import sys
 import sysconfig
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from streamrl.envs.cache import atomic_dir, cache_root, file_lock
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -134,24 +132,8 @@ class TinyModelConfig:
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def cache_root() -> Path:
-    """``$STREAMRL_CACHE`` or ``~/.cache/streamrl``: where models, SFT checkpoints and the like are kept."""
-    return Path(os.environ.get("STREAMRL_CACHE") or Path.home() / ".cache" / "streamrl").expanduser()
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Atomic, locked builds
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def build_once(target: Path, build: Callable[[Path], None]) -> Path:
@@ -162,16 +144,11 @@ def build_once(target: Path, build: Callable[[Path], None]) -> Path:
     """
     if target.is_dir():
         return target
-    with _file_lock(target.parent / f".{target.name}.lock"):
+    with file_lock(target.parent / f".{target.name}.lock"):
         if target.is_dir():  # someone else finished while we waited
             return target
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        try:
+        with atomic_dir(target) as tmp:
             build(tmp)
-            os.replace(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     return target
 
 
@@ -464,6 +441,25 @@ def resolve_model(name_or_path: str | os.PathLike[str], *, cache_dir: Path | Non
         f"unknown model {name!r}: not a registry name, not a local model directory, and not a hub id in the "
         f"local Hugging Face cache. Valid names: {valid}; or pass a directory containing config.json."
     )
+
+
+def weights_fingerprint(path: str | os.PathLike[str], *, head_bytes: int | None = 1 << 20) -> str:
+    """A short hash of a model directory's weights: each ``*.safetensors`` file's name, size and first
+    ``head_bytes`` bytes (``None``: the whole file). Keys caches and checks that saved state (a critic)
+    belongs to the same starting weights. The default prefix is cheap and tells checkpoints of different
+    training runs apart; hash whole files where two models may share their first megabyte (an adapter
+    merged into layers beyond it)."""
+    digest = hashlib.sha256()
+    for file in sorted(Path(path).glob("*.safetensors")):
+        digest.update(file.name.encode())
+        digest.update(str(file.stat().st_size).encode())
+        with file.open("rb") as f:
+            if head_bytes is None:
+                for block in iter(lambda: f.read(1 << 24), b""):
+                    digest.update(block)
+            else:
+                digest.update(f.read(head_bytes))
+    return digest.hexdigest()[:16]
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Any:

@@ -11,16 +11,19 @@ not an episode.
 - ``MathTIRPrompt``: tool-integrated reasoning (ToRL / SimpleTIR protocol): the assistant writes a
   ```python block whose printed output comes back as a ```output block in the next user message, and ends
   with the final answer in ``\\boxed{}``. The action is the assistant message itself (the env runs its code
-  or checks its answer); anything the model writes after an opened ```output fence is cut, since that output
-  must come from the tool, not the model.
+  or checks its answer), valid exactly when the env's own parser (``streamrl.envs.math_tir.parse_turn``)
+  accepts it; anything the model writes after an opened ```output fence is cut, since that output must come
+  from the tool, not the model.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
+
+from streamrl.envs.alfworld_text import task_goal
+from streamrl.envs.math_tir import parse_turn
 
 
 @dataclass(frozen=True)
@@ -52,9 +55,6 @@ class PromptFormat(Protocol):
         ...
 
 
-_TASK_RE = re.compile(r"Your task is to:\s*(.+)")
-
-
 @dataclass(frozen=True)
 class ALFWorldPrompt:
     """ALFWorld: task + current observation + admissible commands; the action is one command."""
@@ -74,8 +74,8 @@ class ALFWorldPrompt:
     (an induction head: find the token just written earlier in the context, copy what followed)."""
 
     def system_prompt(self, first_observation: str, info: Mapping[str, Any]) -> str:
-        match = _TASK_RE.search(first_observation)
-        task = match.group(1).strip() if match else "see the first observation"
+        goal = task_goal(first_observation)
+        task = f"{goal}." if goal else "see the first observation"
         return (
             "You are an agent in a household text game. Reply with exactly one command from the "
             f"admissible commands, nothing else.\nYour task is to: {task}"
@@ -110,27 +110,6 @@ class ALFWorldPrompt:
         return ParsedAction(line, False, f"{line!r} is not an admissible command")
 
 
-_BOXED_RE = re.compile(r"\\boxed\{")
-_CODE_RE = re.compile(r"```python\n(.*?)```", re.DOTALL)
-
-
-def boxed_answer(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` in ``text`` (braces balanced), or ``None``."""
-    starts = [m.end() for m in _BOXED_RE.finditer(text)]
-    if not starts:
-        return None
-    depth, i = 1, starts[-1]
-    while i < len(text):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[starts[-1] : i]
-        i += 1
-    return None
-
-
 @dataclass(frozen=True)
 class MathTIRPrompt:
     """Math with a Python tool: ```python blocks are run, their output returns as ```output; final \\boxed{}."""
@@ -149,13 +128,16 @@ class MathTIRPrompt:
         return observation.strip()
 
     def parse_action(self, text: str, info: Mapping[str, Any]) -> ParsedAction:
+        """The text before any ```output fence, valid exactly when the env's own grammar
+        (:func:`streamrl.envs.math_tir.parse_turn`) finds a final answer or a code block in it."""
         cut = text.find("```output")
         action = (text if cut < 0 else text[:cut]).strip()
-        if _CODE_RE.search(action) or boxed_answer(action) is not None:
+        turn = parse_turn(action)
+        if turn.answer is not None or turn.code is not None:
             return ParsedAction(action, True)
         if not action:
             return ParsedAction("", False, "empty generation")
-        return ParsedAction(action, False, "neither a ```python block nor a \\boxed{} answer")
+        return ParsedAction(action, False, turn.problem or "neither a ```python block nor a \\boxed{} answer")
 
 
 PROMPT_FORMATS: dict[str, type] = {"alfworld": ALFWorldPrompt, "math_tir": MathTIRPrompt}

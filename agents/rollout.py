@@ -14,6 +14,7 @@ from typing import Any
 
 import gymnasium as gym
 from streamrl.agents.base import Agent, EpisodeId
+from streamrl.agents.trajectory import Trajectory
 
 _episode_counter = itertools.count()
 
@@ -30,7 +31,8 @@ class Turn:
 
 @dataclass
 class EpisodeResult:
-    """Outcome of one episode, with the full text transcript and the agent's token record (if any)."""
+    """Outcome of one episode, with the full text transcript and the agent's token record (if any), whose
+    outcome fields (reward, won, terminated, truncated, final info, the last turn's reply) are filled."""
 
     task_id: str
     initial_observation: str
@@ -40,7 +42,7 @@ class EpisodeResult:
     terminated: bool
     truncated: bool
     final_info: dict[str, Any]
-    record: Any | None = None
+    record: Trajectory | None = None
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -67,7 +69,10 @@ def play_episode(
     max_steps: int = 10_000,
 ) -> EpisodeResult:
     """Reset ``env`` (with ``seed`` / ``options``, e.g. ``{"task_id": ...}``) and let ``agent`` act until
-    the episode terminates or is truncated. ``max_steps`` is a safety net on top of the env's own limit."""
+    the episode terminates or is truncated. ``max_steps`` is a safety net on top of the env's own limit.
+
+    The agent's record (``end_episode``), if it keeps one, comes back complete: its outcome is filled with
+    ``Trajectory.set_outcome`` from the episode's return, flags and final info."""
     if max_steps < 1:
         raise ValueError(f"max_steps must be >= 1, got {max_steps}")
     eid: EpisodeId = next(_episode_counter) if episode_id is None else episode_id
@@ -86,12 +91,23 @@ def play_episode(
         total += float(reward)
         turns.append(Turn(action, obs, float(reward), bool(info.get("action_valid", True))))
     record = agent.end_episode(eid)
+    won = bool(info.get("won", False))
+    if record is not None:
+        record.set_outcome(
+            total,
+            won,
+            terminated,
+            truncated,
+            info,
+            last_observation=obs if turns else None,
+            last_action_valid=turns[-1].action_valid if turns else None,
+        )
     return EpisodeResult(
         task_id=str(info.get("task_id", "")),
         initial_observation=first_obs,
         turns=turns,
         reward=total,
-        won=bool(info.get("won", False)),
+        won=won,
         terminated=terminated,
         truncated=truncated,
         final_info=dict(info),

@@ -24,7 +24,7 @@ from streamrl.agents.env_specs import env_spec, make_env, task_ids_of
 from streamrl.agents.llm_agent import ContextPolicy, LLMAgent
 from streamrl.agents.prompts import PromptFormat
 from streamrl.agents.rollout import play_episode
-from streamrl.agents.trajectory import TokenSequence, Trajectory, finalize
+from streamrl.agents.trajectory import TokenSequence, Trajectory
 
 
 class TeacherForcedBackend:
@@ -38,7 +38,9 @@ class TeacherForcedBackend:
     def adapter_version(self) -> int:
         return 0
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int] | None = None
+    ) -> list[Generation]:
         if len(self.queue) != len(prompts):
             raise RuntimeError(f"{len(prompts)} prompts but {len(self.queue)} forced completions queued")
         out = [Generation(list(ids), [0.0] * len(ids), "stop") for ids in self.queue]
@@ -83,7 +85,11 @@ class TeacherForcedAgent:
         self.expert = expert
         self.backend = TeacherForcedBackend(tokenizer)
         self.llm = LLMAgent(
-            self.backend, tokenizer, prompt_format, SamplingParams(max_new_tokens=4096), context
+            self.backend,
+            prompt_format=prompt_format,
+            tokenizer=tokenizer,
+            sampling=SamplingParams(max_new_tokens=4096),
+            context=context,
         )
         eos = tokenizer.eos_token_id
         self._eos = [int(eos)] if eos is not None else []
@@ -168,7 +174,8 @@ def expert_trajectories(
             )
             for task_id in source_ids:
                 result = play_episode(source_env, agent, options={"task_id": task_id})
-                trajectory = finalize(result)
+                trajectory = result.record
+                assert trajectory is not None  # a TeacherForcedAgent keeps a record
                 if trajectory.won and "context_exhausted" not in trajectory.info:
                     out.append(trajectory)
     finally:

@@ -10,8 +10,8 @@ rollout engine's log-prob of each generated token (0 elsewhere) and the adapter 
   context, mask 0; only that turn's action has mask 1). The mask convention is the same.
 
 The agent fills tokens and turns; the episode's outcome (reward, won, terminated, truncated, final info) is
-known only to whoever stepped the env, which fills it with ``Trajectory.set_outcome`` or, after
-``streamrl.agents.rollout.play_episode``, with ``finalize(result)``. ``to_dict`` / ``from_dict`` (and the
+known only to whoever stepped the env, which fills it with ``Trajectory.set_outcome``
+(``streamrl.agents.rollout.play_episode`` does, so its ``result.record`` is complete). ``to_dict`` / ``from_dict`` (and the
 JSON variants) round-trip everything; the ``ticket`` is opaque here and is stored as given (it must be
 JSON-serializable for ``to_json``, or the caller passes ``ticket_to_json`` / ``ticket_from_json``).
 """
@@ -22,12 +22,15 @@ import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal, get_args
 
-if TYPE_CHECKING:
-    from streamrl.agents.rollout import EpisodeResult
+ContextMode = Literal["full", "window"]
+"""How a trajectory's sequences are laid out (module doc; ``streamrl.agents.llm_agent.ContextPolicy``)."""
+CONTEXT_POLICIES: tuple[ContextMode, ...] = get_args(ContextMode)
 
-CONTEXT_POLICIES = ("full", "window")
+TurnFinish = Literal["", "stop", "length", "context"]
+"""Why a turn's generation ended: the backend's "stop" / "length", "context" when the context budget left no
+room to generate, "" when unknown."""
 
 
 @dataclass
@@ -105,14 +108,16 @@ class TurnRecord:
     """``[start, end)`` of the context tokens appended for this turn before generating (observation turn)."""
     parse_error: str | None = None
     """Why the prompt format could not parse ``text`` into an action (then the action is invalid)."""
-    finish_reason: str = ""
+    finish_reason: TurnFinish = ""
     adapter_version: int = 0
     observation: str = ""
-    """The env's reply to ``action`` (filled at the next ``act`` or by ``set_outcome`` / ``finalize``)."""
+    """The env's reply to ``action`` (filled at the next ``act`` or by ``set_outcome`` for the last turn)."""
     action_valid: bool | None = None
     """The env's verdict (``info["action_valid"]``); ``None`` until known."""
     tool_calls: int = 0
     """Tool calls the env ran for this action (``info["tool_calls"]`` delta, Math-TIR)."""
+    seed: int | None = None
+    """The seed this turn was sampled with (derived from the run seed), ``None`` if the backend drew it."""
     generation_seconds: float = 0.0
 
 
@@ -122,7 +127,7 @@ class Trajectory:
 
     task_id: str
     ticket: Any = None
-    context_policy: str = "full"
+    context_policy: ContextMode = "full"
     sequences: list[TokenSequence] = field(default_factory=list)
     turns: list[TurnRecord] = field(default_factory=list)
     reward: float = 0.0
@@ -181,7 +186,11 @@ class Trajectory:
         last_observation: str | None = None,
         last_action_valid: bool | None = None,
     ) -> Trajectory:
-        """Fill the fields only the env's stepper knows; returns ``self``."""
+        """Fill the fields only the env's stepper knows; returns ``self``.
+
+        The last turn gets the env's reply to it: ``last_observation``, and its validity from
+        ``last_action_valid`` or else the final ``info["action_valid"]``.
+        """
         self.reward, self.won = float(reward), bool(won)
         self.terminated, self.truncated = bool(terminated), bool(truncated)
         if info is not None:
@@ -192,6 +201,8 @@ class Trajectory:
                 self.turns[-1].tool_calls = max(0, info["tool_calls"] - earlier)
             if last_observation is not None:
                 self.turns[-1].observation = last_observation
+            if last_action_valid is None and info is not None and "action_valid" in info:
+                last_action_valid = bool(info["action_valid"])
             if last_action_valid is not None:
                 self.turns[-1].action_valid = last_action_valid
         return self
@@ -278,19 +289,3 @@ class Trajectory:
     @classmethod
     def from_json(cls, text: str, ticket_from_json: Callable[[Any], Any] | None = None) -> Trajectory:
         return cls.from_dict(json.loads(text), ticket_from_json)
-
-
-def finalize(result: EpisodeResult) -> Trajectory:
-    """Fill ``result.record`` (a ``Trajectory`` from ``play_episode``) with the episode's outcome; return it.
-
-    Turn observations and validity come from ``result.turns`` (one per agent action, in order).
-    """
-    record = result.record
-    if not isinstance(record, Trajectory):
-        raise TypeError(f"result.record is {type(record).__name__}, expected a Trajectory (from an LLMAgent)")
-    for turn, step in zip(record.turns, result.turns, strict=False):
-        turn.observation = step.observation
-        turn.action_valid = step.action_valid
-    return record.set_outcome(
-        result.reward, result.won, result.terminated, result.truncated, result.final_info
-    )

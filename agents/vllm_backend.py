@@ -9,8 +9,9 @@
   ``logprobs_mode="processed_logprobs"``: softmax of ``logits / temperature`` after top-k / top-p). With
   temperature 1 and no filtering that is the model's log-prob, which ``score`` recomputes through
   ``prompt_logprobs``. Greedy decoding reports the temperature-1 log-prob of the argmax token.
-- **Seeds** are per request: prompt ``i`` of a call samples with seed ``params.seed + i``; with
-  ``params.seed=None`` each request gets a seed from the backend's own generator (``config.seed``).
+- **Seeds** are per request: prompt ``i`` of a call samples with ``seeds[i]`` when the call names them, else
+  ``params.seed + i``; with neither, each request gets a seed from the backend's own generator
+  (``config.seed``). The same rule as ``HFBackend`` (``streamrl.agents.base.request_seeds``).
 - **LoRA by version.** ``set_adapter(path, version)`` loads peft's saved format under a *new*
   ``LoRARequest`` id (vLLM caches adapters by id, so reusing one would keep serving stale weights), makes
   it current for requests that start afterwards, and removes the previous adapter once its in-flight
@@ -59,7 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from streamrl.agents.base import Generation, SamplingParams
+from streamrl.agents.base import Generation, SamplingParams, check_score_inputs, request_seeds
 from streamrl.agents.models import load_tokenizer, resolve_model
 
 logger = logging.getLogger(__name__)
@@ -521,16 +522,15 @@ class VLLMBackend:
             extra=extra,
         )
 
-    async def _generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+    async def _generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int] | None
+    ) -> list[Generation]:
         for i, prompt in enumerate(prompts):
             self._check_prompt(i, prompt)
-        if params.seed is None:
-            seeds = [self._seeds.randrange(1 << 62) for _ in prompts]
-        else:
-            seeds = [params.seed + i for i in range(len(prompts))]
+        row_seeds = request_seeds(len(prompts), params, self._seeds, seeds)
         return list(
             await asyncio.gather(
-                *(self._generate_one(p, params, s) for p, s in zip(prompts, seeds, strict=True))
+                *(self._generate_one(p, params, s) for p, s in zip(prompts, row_seeds, strict=True))
             )
         )
 
@@ -555,11 +555,8 @@ class VLLMBackend:
     async def _score(
         self, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]
     ) -> list[list[float]]:
-        if len(sequences) != len(prompt_lengths):
-            raise ValueError(f"{len(sequences)} sequences but {len(prompt_lengths)} prompt lengths")
-        for i, (seq, p) in enumerate(zip(sequences, prompt_lengths, strict=True)):
-            if not 1 <= p <= len(seq):
-                raise ValueError(f"prompt_lengths[{i}]={p} must be in [1, len(sequence)={len(seq)}]")
+        check_score_inputs(sequences, prompt_lengths)
+        for i, seq in enumerate(sequences):
             self._check_prompt(i, seq, what="sequences")
         lora = self._lora
         return list(
@@ -688,20 +685,36 @@ class VLLMBackend:
 
     # -- the GenerationBackend protocol (synchronous) ---------------------------------------------------------
 
+    def _check_open(self, pending: Coroutine[Any, Any, Any] | None = None) -> None:
+        if not self._finalizer.alive:
+            if pending is not None:
+                pending.close()  # it will never be awaited
+            raise RuntimeError("VLLMBackend is closed (close() stopped its engine); create a new VLLMBackend")
+
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        if self._finalizer.alive is False:
-            coro.close()
-            raise RuntimeError("this VLLMBackend is closed")
+        self._check_open(coro)
         return self._loop.run(coro, timeout=self.config.request_timeout_s)
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+    async def _wrap(self, coro: Coroutine[Any, Any, T]) -> T:
+        """``_run`` for the coroutine API: await ``coro`` on the engine's loop from any event loop."""
+        self._check_open(coro)
+        return await self._loop.wrap(coro)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seeds: Sequence[int] | None = None,
+    ) -> list[Generation]:
         """Complete every prompt (all requests go to the engine at once and batch there)."""
+        self._check_open()
         if not prompts:
             return []
-        return self._run(self._generate(prompts, params))
+        return self._run(self._generate(prompts, params, seeds))
 
     def score(self, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]) -> list[list[float]]:
         """Log-probs (temperature 1, no filtering) of ``sequences[i][prompt_lengths[i]:]`` given what precedes."""
+        self._check_open()
         if not sequences and not prompt_lengths:
             return []
         return self._run(self._score(sequences, prompt_lengths))
@@ -712,28 +725,36 @@ class VLLMBackend:
 
     # -- the same, awaitable from any event loop --------------------------------------------------------------
 
-    async def agenerate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+    async def agenerate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seeds: Sequence[int] | None = None,
+    ) -> list[Generation]:
         """``generate`` as a coroutine; awaiting it from another event loop is fine."""
+        self._check_open()
         if not prompts:
             return []
-        return await self._loop.wrap(self._generate(prompts, params))
+        return await self._wrap(self._generate(prompts, params, seeds))
 
     async def ascore(
         self, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]
     ) -> list[list[float]]:
         """``score`` as a coroutine."""
+        self._check_open()
         if not sequences and not prompt_lengths:
             return []
-        return await self._loop.wrap(self._score(sequences, prompt_lengths))
+        return await self._wrap(self._score(sequences, prompt_lengths))
 
     async def aset_adapter(self, path: str | os.PathLike[str] | None, version: int) -> None:
         """``set_adapter`` as a coroutine."""
-        await self._loop.wrap(self._set_adapter(path, version))
+        await self._wrap(self._set_adapter(path, version))
 
     # -- lifetime -----------------------------------------------------------------------------------------------
 
     def served_loras(self) -> set[int]:
         """vLLM's LoRA ids currently loaded in the engine (diagnostics)."""
+        self._check_open()
         return set(self._run(self._engine.list_loras()))
 
     def close(self) -> None:

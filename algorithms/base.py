@@ -16,12 +16,18 @@ questions, each a small method or config field next to its paper's equation:
 5. **The loss terms.** ``policy_loss(inputs)`` on one micro-batch, aggregated with the update batch's
    global counts (``inputs.agg``); an optional ``critic`` (SAO) brings its own model and loss.
 
+Two hooks serve algorithms with a model of their own (SAO's critic): ``setup(context)`` is called once by
+the trainer after its learner exists, with what is needed to build the model (``SetupContext``: the model
+directory, device, tokenizer, ...); ``train_policy(update)`` says whether an update steps the policy (SAO's
+critic-only warm-up: the update still counts, its batch is still consumed and ``after_update`` still runs).
+
 Everything else -- dispatching, env stepping, batching, staleness, micro-batching, the optimizer,
 publication, checkpoints -- is shared, so swapping the algorithm is one argument (``make_algorithm``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import sys
@@ -103,6 +109,23 @@ class Episode:
         return self.trajectory.info.get("error") is not None
 
 
+@dataclass(frozen=True)
+class SetupContext:
+    """What the trainer knows that an algorithm needs to build a model of its own (``Algorithm.setup``)."""
+
+    model_dir: Path
+    """The Hugging Face directory the policy was loaded from (its SFT checkpoint, or the base model)."""
+    device: torch.device
+    """Where the learner trains (CUDA when present, else CPU)."""
+    pad_token_id: int
+    tokenizer: Any
+    micro_batch_tokens: int
+    """The learner's padded-token budget per forward pass (``LearnerConfig.micro_batch_tokens``)."""
+    seed: int
+    """A seed for the algorithm's own initialization, derived from the run's seed."""
+    log: Callable[[str], None] = print
+
+
 @dataclass
 class PolicyInputs:
     """One micro-batch for ``Algorithm.policy_loss``: dense ``[b, T-1]`` tensors aligned with predictions.
@@ -137,6 +160,10 @@ class Algorithm(ABC):
                 f"{type(self).__name__} takes a {self.config_class.__name__}, got {type(config).__name__}"
             )
         self.config = config
+
+    def setup(self, context: SetupContext) -> None:  # noqa: B027 (optional hook)
+        """Called once by the trainer after its learner exists and before any checkpoint is restored: build
+        extra models here (SAO's critic), so that ``load_state_dict`` finds them. Default: nothing."""
 
     # -- 1. tracker ---------------------------------------------------------------------------------------
     @abstractmethod
@@ -176,12 +203,19 @@ class Algorithm(ABC):
     def policy_loss(self, inputs: PolicyInputs) -> PolicyLoss:
         """The policy loss of one micro-batch (aggregated with ``inputs.agg``)."""
 
+    def train_policy(self, update: int) -> bool:
+        """Whether update number ``update`` (0-based) steps the policy. ``False`` (SAO's critic-only warm-up):
+        the trainer skips ``advantages`` and the learner's step, but the update still counts (ledger,
+        publication schedule, checkpoints) and ``after_update`` runs (the critic trains). Default: always."""
+        return True
+
     critic: Any = None
     """An optional value model with its own optimizer (SAO); see ``streamrl.algorithms.sao``."""
 
     # -- resume -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """State to checkpoint beyond the config (e.g. SPO's stored responses). JSON or torch-saveable."""
+        """State to checkpoint beyond the config (e.g. SPO's stored responses, SAO's critic weights and
+        optimizer). JSON or ``torch.save``-able (the trainer saves it in ``checkpoint/learner.pt``)."""
         return {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:  # noqa: B027 (optional hook)
@@ -214,7 +248,7 @@ def register_algorithm(cls: A) -> A:
 
 
 def _load_builtin() -> None:
-    for module in ("spo", "spo_pp", "grpo"):
+    for module in ("spo", "spo_pp", "grpo", "sao"):
         importlib.import_module(f"streamrl.algorithms.{module}")
 
 
@@ -229,12 +263,17 @@ def algorithm_class(spec: str) -> type[Algorithm]:
             path = Path(where)
             if not path.is_file():
                 raise FileNotFoundError(f"algorithm file {where!r} does not exist (from --algo {spec!r})")
-            mod_name = f"streamrl_user_{path.stem}"
-            module_spec = importlib.util.spec_from_file_location(mod_name, path)
-            assert module_spec is not None and module_spec.loader is not None
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[mod_name] = module
-            module_spec.loader.exec_module(module)
+            # one module per file (by resolved path), executed once however often it is named
+            resolved = str(path.resolve())
+            mod_name = f"streamrl_user_{path.stem}_{hashlib.sha1(resolved.encode()).hexdigest()[:8]}"
+            if mod_name in sys.modules:
+                module = sys.modules[mod_name]
+            else:
+                module_spec = importlib.util.spec_from_file_location(mod_name, path)
+                assert module_spec is not None and module_spec.loader is not None
+                module = importlib.util.module_from_spec(module_spec)
+                sys.modules[mod_name] = module
+                module_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(where)
         cls = getattr(module, attr, None)

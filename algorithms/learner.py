@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,9 +108,72 @@ def _device(name: str) -> torch.device:
 
 
 @dataclass
-class _Row:
+class TrainingRow:
+    """One row of a training batch: a token sequence with action tokens, and the index of its episode."""
+
     episode: int
     sequence: TokenSequence
+
+
+def training_rows(trajectories: Sequence[Trajectory]) -> list[TrainingRow]:
+    """The rows of ``trajectories`` in order: every sequence that holds action tokens (one per episode with
+    the full context, one per turn with a window)."""
+    return [
+        TrainingRow(i, seq)
+        for i, traj in enumerate(trajectories)
+        for seq in traj.sequences
+        if seq.num_action_tokens
+    ]
+
+
+def length_sorted_chunks(rows: Sequence[TrainingRow], max_tokens: int) -> list[list[int]]:
+    """Row indices grouped by length: sorted (stable), chunked so rows x longest <= ``max_tokens`` padded
+    tokens per forward pass (a row longer than that is a chunk of its own)."""
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i].sequence))
+    chunks: list[list[int]] = []
+    for i in order:
+        if chunks:
+            width = len(rows[i].sequence)  # the longest so far: order is ascending
+            if (len(chunks[-1]) + 1) * width <= max_tokens:
+                chunks[-1].append(i)
+                continue
+        chunks.append([i])
+    return chunks
+
+
+@torch.no_grad()
+def score_rows(
+    rows: Sequence[TrainingRow],
+    score: Callable[[TokenBatch], torch.Tensor],
+    *,
+    pad_token_id: int,
+    max_tokens: int,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """Per row, the values ``score(batch)`` gives its action tokens (flat, fp32, on CPU), without grad.
+
+    ``score`` maps a collated micro-batch (length-sorted chunks of ``max_tokens`` padded tokens, on
+    ``device``) to one value per action token in ``batch.action_mask`` order: the learner's log-probs, a
+    critic's values.
+    """
+    out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
+    for chunk in length_sorted_chunks(rows, max_tokens):
+        batch = collate([rows[i].sequence for i in chunk], pad_token_id).to(device)
+        flat = score(batch).float().cpu()
+        for i, part in zip(chunk, flat.split(batch.lengths.tolist()), strict=True):
+            out[i] = part
+    return out
+
+
+def per_episode(
+    rows: Sequence[TrainingRow], per_row: Sequence[torch.Tensor], episodes: int
+) -> list[torch.Tensor]:
+    """Concatenate per-row action-token values into one 1-D tensor per episode (sequence order; empty for an
+    episode without action tokens): the inverse of splitting an episode into ``training_rows``."""
+    out: list[list[torch.Tensor]] = [[] for _ in range(episodes)]
+    for row, values in zip(rows, per_row, strict=True):
+        out[row.episode].append(values)
+    return [torch.cat(parts) if parts else torch.empty(0) for parts in out]
 
 
 class Learner:
@@ -165,27 +228,8 @@ class Learner:
         return c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     # -- rows and micro-batches ----------------------------------------------------------------------------
-    @staticmethod
-    def _rows(trajectories: Sequence[Trajectory]) -> list[_Row]:
-        return [
-            _Row(i, seq)
-            for i, traj in enumerate(trajectories)
-            for seq in traj.sequences
-            if seq.num_action_tokens
-        ]
-
-    def _micro_batches(self, rows: Sequence[_Row]) -> list[list[int]]:
-        """Row indices grouped by length: sorted (stable), chunked so rows x longest <= micro_batch_tokens."""
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i].sequence))
-        chunks: list[list[int]] = []
-        for i in order:
-            if chunks:
-                width = len(rows[i].sequence)  # the longest so far: order is ascending
-                if (len(chunks[-1]) + 1) * width <= self.config.micro_batch_tokens:
-                    chunks[-1].append(i)
-                    continue
-            chunks.append([i])
-        return chunks
+    def _micro_batches(self, rows: Sequence[TrainingRow]) -> list[list[int]]:
+        return length_sorted_chunks(rows, self.config.micro_batch_tokens)
 
     def _forward(self, batch: TokenBatch, with_entropy: bool) -> Any:
         with self._autocast:
@@ -198,25 +242,20 @@ class Learner:
                 temperature=self.temperature,
             )
 
-    @torch.no_grad()
-    def _row_logprobs(self, rows: Sequence[_Row]) -> list[torch.Tensor]:
+    def _row_logprobs(self, rows: Sequence[TrainingRow]) -> list[torch.Tensor]:
         """Log-probs of each row's action tokens under the current weights (flat, fp32, on CPU)."""
-        out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
-        for chunk in self._micro_batches(rows):
-            batch = collate([rows[i].sequence for i in chunk], self.pad_token_id).to(self.device)
-            flat = self._forward(batch, with_entropy=False).float().cpu()
-            for i, part in zip(chunk, flat.split(batch.lengths.tolist()), strict=True):
-                out[i] = part
-        return out
+        return score_rows(
+            rows,
+            lambda batch: self._forward(batch, with_entropy=False),
+            pad_token_id=self.pad_token_id,
+            max_tokens=self.config.micro_batch_tokens,
+            device=self.device,
+        )
 
     def episode_logprobs(self, trajectories: Sequence[Trajectory]) -> list[torch.Tensor]:
         """Per trajectory, the log-probs of all its action tokens (sequence order) under the current weights."""
-        rows = self._rows(trajectories)
-        per_row = self._row_logprobs(rows)
-        out: list[list[torch.Tensor]] = [[] for _ in trajectories]
-        for row, lp in zip(rows, per_row, strict=True):
-            out[row.episode].append(lp)
-        return [torch.cat(parts) if parts else torch.empty(0) for parts in out]
+        rows = training_rows(trajectories)
+        return per_episode(rows, self._row_logprobs(rows), len(trajectories))
 
     # -- the update ------------------------------------------------------------------------------------------
     def update(
@@ -226,7 +265,7 @@ class Learner:
         if len(advantages) != len(episodes):
             raise ValueError(f"{len(advantages)} advantages for {len(episodes)} episodes")
         started = time.perf_counter()
-        rows = self._rows([e.trajectory for e in episodes])
+        rows = training_rows([e.trajectory for e in episodes])
         if not rows:
             raise ValueError("the update batch has no action tokens")
         row_adv = self._spread(episodes, advantages, rows)
@@ -304,7 +343,7 @@ class Learner:
 
     @staticmethod
     def _spread(
-        episodes: Sequence[Episode], advantages: Sequence[float | torch.Tensor], rows: Sequence[_Row]
+        episodes: Sequence[Episode], advantages: Sequence[float | torch.Tensor], rows: Sequence[TrainingRow]
     ) -> list[torch.Tensor]:
         """Each row's advantage per action token, from one scalar or one value per action token per episode."""
         per_episode: list[list[torch.Tensor]] = []

@@ -183,6 +183,14 @@ class PolicyLoss:
         """All clipped tokens (verl ``pg_clipfrac``)."""
         return self.clip_frac_high + self.clip_frac_low
 
+    @classmethod
+    def unclipped(cls, loss: Tensor, logp: Tensor, behaviour_logp: Tensor, mask: Tensor) -> PolicyLoss:
+        """A loss that clips and masks no token (REINFORCE, a user's own objective): the KL diagnostics
+        against ``behaviour_logp`` as for PPO, every clip and masked fraction 0."""
+        _check_same_shape(mask, logp=logp, behaviour_logp=behaviour_logp)
+        none = torch.zeros_like(mask, dtype=torch.bool)
+        return _policy_diagnostics(logp, behaviour_logp, mask, loss, none, none, none, none, None)
+
     def metrics(self, prefix: str = "") -> dict[str, float]:
         """Plain floats for logging (one host sync)."""
         out: dict[str, float] = {}

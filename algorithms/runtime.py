@@ -27,21 +27,15 @@ held-out evaluation).
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from streamrl.agents.base import derive_seed
 from streamrl.agents.llm_agent import LLMAgent
 from streamrl.agents.trajectory import Trajectory
 from streamrl.envs.vector import EnvResult, StreamingVectorEnv
-
-
-def derive_seed(*parts: object) -> int:
-    """A stable 31-bit seed from ``parts`` (run seed, purpose, index): independent of hashing salt and order."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
 @dataclass(frozen=True)
@@ -122,12 +116,7 @@ class Rollouts:
 
     def running_tokens(self) -> int:
         """Action tokens generated so far by jobs still in flight."""
-        total = 0
-        for run in self._running.values():
-            episode = self.agent._episodes.get(run.job.key)
-            if episode is not None:
-                total += episode.trajectory.num_action_tokens
-        return total
+        return self._tokens_of(self._running.values())
 
     # -- starting -----------------------------------------------------------------------------------------
     def start(self, jobs: Sequence[Job]) -> None:
@@ -191,12 +180,7 @@ class Rollouts:
         return finished
 
     def _tokens_of(self, runs: Iterable[_Running]) -> int:
-        total = 0
-        for run in runs:
-            episode = self.agent._episodes.get(run.job.key)
-            if episode is not None:
-                total += episode.trajectory.num_action_tokens
-        return total
+        return sum(self.agent.action_tokens(run.job.key) for run in runs)
 
     def _finish(self, result: EnvResult, run: _Running) -> Finished:
         self._count_slots()
@@ -205,7 +189,7 @@ class Rollouts:
         if job.key in self.agent.active_episodes:
             trajectory = self.agent.end_episode(job.key)
         else:  # the reset itself failed: the agent never saw the episode
-            self.agent._pending.pop(job.key, None)
+            self.agent.discard(job.key)
             trajectory = Trajectory(task_id=job.task_id, ticket=job.ticket)
         info = dict(result.info)
         if result.error is not None:
@@ -226,10 +210,8 @@ class Rollouts:
     def abandon_all(self) -> list[Job]:
         """Stop every running job (their results are discarded) and return them, for requeueing."""
         jobs = self.running
-        for run in list(self._running.values()):
-            if run.job.key in self.agent.active_episodes:
-                self.agent.end_episode(run.job.key)
-            self.agent._pending.pop(run.job.key, None)
+        for run in self._running.values():
+            self.agent.discard(run.job.key)
         self._count_slots()
         self._running.clear()
         while self.venv.num_pending:

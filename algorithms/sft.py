@@ -36,10 +36,11 @@ from streamrl.agents.base import SamplingParams
 from streamrl.agents.env_specs import env_spec, play_tasks
 from streamrl.agents.hf_backend import HFBackend
 from streamrl.agents.lora import LoRAConfig, trainable_parameters, wrap_lora
-from streamrl.agents.models import build_once, cache_root, load_model, load_tokenizer, resolve_model
+from streamrl.agents.models import build_once, load_model, load_tokenizer, resolve_model
 from streamrl.agents.teacher_forcing import downsample_turns, expert_trajectories, sequences_of
 from streamrl.agents.trajectory import TokenSequence
 from streamrl.algorithms.losses import sft_loss
+from streamrl.envs.cache import cache_root
 
 _RECIPE = 4  # bump when the data rendering or training loop changes
 

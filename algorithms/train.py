@@ -40,13 +40,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from streamrl.agents.base import GenerationBackend, SamplingParams
+from streamrl.agents.base import GenerationBackend, SamplingParams, derive_seed
 from streamrl.agents.llm_agent import LLMAgent
 from streamrl.agents.trajectory import Trajectory
-from streamrl.algorithms.base import Algorithm, Episode, make_algorithm
+from streamrl.algorithms.base import Algorithm, Episode, SetupContext, algorithm_class, make_algorithm
 from streamrl.algorithms.learner import Learner, LearnerConfig
-from streamrl.algorithms.runtime import Finished, Job, Rollouts, collect, derive_seed
+from streamrl.algorithms.runtime import Finished, Job, Rollouts, collect
 from streamrl.algorithms.tracker import EventTracker, Ticket
+from streamrl.envs.cache import atomic_write_text
 
 EnvName = Literal["math_tir", "alfworld"]
 BackendName = Literal["hf", "vllm"]
@@ -214,6 +215,8 @@ class Trainer:
         self.show_progress = progress
         self._given_backend = backend
         self.on_update = on_update
+        if algorithm is not None:
+            self._check_given_algorithm(config, algorithm)
         self.algorithm = algorithm if algorithm is not None else self._make_algorithm(config)
         self.config = config
         self.run_dir = Path(config.out)
@@ -227,6 +230,25 @@ class Trainer:
             self._resumed = True
 
     # -- validation -----------------------------------------------------------------------------------------
+    @staticmethod
+    def _check_given_algorithm(config: TrainConfig, algorithm: Algorithm) -> None:
+        """A ready-made algorithm must be the one ``config.algo`` names (the run's config.json rebuilds it on
+        resume), and its options live in its own config, not in ``config.algorithm``."""
+        try:
+            named = algorithm_class(config.algo)
+        except (ValueError, FileNotFoundError) as exc:
+            raise ConfigError(str(exc)) from exc
+        if type(algorithm) is not named:
+            raise ConfigError(
+                f"config.algo={config.algo!r} names {named.__qualname__}, but the algorithm given is a "
+                f"{type(algorithm).__qualname__}: set algo to its registry name or 'file.py:Class'"
+            )
+        if config.algorithm:
+            raise ConfigError(
+                f"config.algorithm overrides {sorted(config.algorithm)} are ignored when an algorithm object is "
+                "given: put them in its config"
+            )
+
     def _make_algorithm(self, config: TrainConfig) -> Algorithm:
         try:
             return make_algorithm(config.algo, env=config.env, **dict(config.algorithm))
@@ -314,6 +336,19 @@ class Trainer:
             total_steps=total_steps,
             temperature=c.temperature,
         )
+        context = SetupContext(
+            model_dir=self.model_dir,
+            device=self.learner.device,
+            pad_token_id=int(self.tokenizer.pad_token_id),
+            tokenizer=self.tokenizer,
+            micro_batch_tokens=c.learner.micro_batch_tokens,
+            seed=derive_seed(c.seed, "algorithm"),
+            log=self.log,
+        )
+        try:
+            self.algorithm.setup(context)
+        except ValueError as exc:  # e.g. SAO's critic_init does not fit the starting model
+            raise ConfigError(f"{self.algorithm.name}: {exc}") from exc
         self.backend = self._given_backend if self._given_backend is not None else self._make_backend()
         max_new = c.max_new_tokens or self.spec.max_new_tokens
         self.sampling = SamplingParams(
@@ -394,6 +429,8 @@ class Trainer:
         )
 
     def _eval_tasks(self) -> list[str]:
+        """The fixed held-out episodes: every task of the split equally often (each ``n // tasks`` times), the
+        remainder drawn uniformly without replacement; the same list for every run with the same seed."""
         from streamrl.agents.env_specs import make_env, task_ids_of
 
         if not self.config.eval_episodes or not self.config.eval_every:
@@ -401,16 +438,9 @@ class Trainer:
         env = make_env(self.config.env, self.eval_split)
         ids = task_ids_of(env, self.config.env)
         env.close()
-        rng = random.Random(derive_seed(self.config.seed, "eval-tasks"))
         n = self.config.eval_episodes
-        return [
-            ids[i]
-            for i in (
-                rng.sample(range(len(ids)), n)
-                if n <= len(ids)
-                else [rng.randrange(len(ids)) for _ in range(n)]
-            )
-        ]
+        rng = random.Random(derive_seed(self.config.seed, "eval-tasks"))
+        return ids * (n // len(ids)) + rng.sample(ids, n % len(ids))
 
     def _probe_sequence(self) -> list[int]:
         """A fixed token sequence on which the served and the learner's log-probs must agree after publication."""
@@ -527,6 +557,15 @@ class Trainer:
             else:
                 self.buffer.append(episode)
 
+    def _drain_buffer(self) -> None:
+        """``current-version``: finished work of a superseded version leaves the buffer (it was filed in the
+        tracker when it returned); it is ledgered as dropped_stale, never trained."""
+        stale = [e for e in self.buffer if e.ticket.version < self.tracker.version]
+        if stale:
+            self.buffer = [e for e in self.buffer if e.ticket.version >= self.tracker.version]
+            self.ledger.dropped_stale += len(stale)
+            self.ledger.dropped_tokens += sum(e.num_action_tokens for e in stale)
+
     def _close_group(self, group: int) -> None:
         members = self.groups.get(group, [])
         if len(members) < self.group_sizes[group]:
@@ -594,8 +633,11 @@ class Trainer:
         if self.on_update is not None:
             self.on_update(version, batch)
         started = time.perf_counter()
-        advantages = self.algorithm.advantages(batch)
-        if pool is None:
+        trains_policy = self.algorithm.train_policy(self.updates)  # False: e.g. SAO's critic-only warm-up
+        advantages = self.algorithm.advantages(batch) if trains_policy else []
+        if not trains_policy:
+            metrics: dict[str, float] = {}
+        elif pool is None:
             metrics = self.learner.update(batch, advantages, self.algorithm)
         else:  # keep generating (at the old version) while the learner works
             future = pool.submit(self.learner.update, batch, advantages, self.algorithm)
@@ -606,6 +648,7 @@ class Trainer:
                 else:
                     time.sleep(0.01)
             metrics = future.result()
+        metrics["policy_trained"] = float(trains_policy)
         metrics.update(self.algorithm.after_update(self.tracker, batch, self.learner))
         self.updates += 1
         self.ledger.trained += len(batch)
@@ -642,6 +685,8 @@ class Trainer:
                 f"on the probe (tolerance {tolerance}): it is not serving the published policy"
             )
         self.tracker.publish()
+        if self.algorithm.config.batch_rule == "current-version":
+            self._drain_buffer()
         for old in sorted((self.run_dir / "policy").glob("v*")):
             if (
                 old.name.startswith("v")
@@ -757,7 +802,8 @@ class Trainer:
         )
 
     # -- offline values and evaluation ------------------------------------------------------------------------
-    def _side_rollouts(self, split: str, temperature: float, seed_tag: str) -> Rollouts:
+    def _side_rollouts(self, split: str, temperature: float, seed: int) -> Rollouts:
+        """Rollouts on ``split`` with the current policy, apart from training (offline values, evaluation)."""
         from streamrl.envs.vector import StreamingVectorEnv, VectorEnvConfig
 
         venv = StreamingVectorEnv.from_env(
@@ -767,9 +813,7 @@ class Trainer:
             split=split,
             **dict(self.spec.env_kwargs),
         )
-        sampling = replace(
-            self.sampling, temperature=temperature, seed=derive_seed(self.config.seed, seed_tag)
-        )
+        sampling = replace(self.sampling, temperature=temperature, seed=seed)
         agent = LLMAgent(
             self.backend,
             tokenizer=self.tokenizer,
@@ -777,7 +821,7 @@ class Trainer:
             sampling=sampling,
             context=self.spec.context,
         )
-        return Rollouts(venv, agent, seed=derive_seed(self.config.seed, seed_tag), lockstep=True)
+        return Rollouts(venv, agent, seed=seed, lockstep=True)
 
     def _offline_init(self) -> None:
         n0 = self.config.offline_rollouts
@@ -788,7 +832,8 @@ class Trainer:
             outcomes = json.loads(cache.read_text())
             self.log(f"offline values: {cache} (cached)")
         else:
-            side = self._side_rollouts(self.spec.train_split, self.config.temperature, "offline")
+            # seeded apart from the run seed: the values are a function of the cache key, shared by all seeds
+            side = self._side_rollouts(self.spec.train_split, self.config.temperature, derive_seed("offline"))
             try:
                 jobs = [Job(t, i * n0 + k) for i, t in enumerate(self.task_ids) for k in range(n0)]
                 done = collect(side, jobs)
@@ -797,35 +842,25 @@ class Trainer:
             outcomes = {t: [] for t in self.task_ids}
             for item in done:
                 outcomes[item.job.task_id].append(float(item.trajectory.reward))
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_suffix(".tmp")
-            tmp.write_text(json.dumps(outcomes))
-            os.replace(tmp, cache)
+            atomic_write_text(cache, json.dumps(outcomes))  # the cache is shared by concurrent runs
             self.log(f"offline values: {n0} rollouts x {len(self.task_ids)} tasks -> {cache}")
         self.tracker.init_offline({t: outcomes[t] for t in self.task_ids})
 
     def _offline_cache_path(self) -> Path:
         import hashlib
 
-        from streamrl.agents.models import cache_root
+        from streamrl.agents.models import weights_fingerprint
+        from streamrl.envs.cache import cache_root
 
-        weights = sorted(self.model_dir.glob("*.safetensors"))
-        digest = hashlib.sha256()
-        for path in weights:
-            digest.update(path.name.encode())
-            digest.update(str(path.stat().st_size).encode())
-            with path.open("rb") as f:
-                digest.update(f.read(1 << 20))
         key = json.dumps(
             [
-                digest.hexdigest()[:16],
+                weights_fingerprint(self.model_dir),
                 self.config.env,
                 self.spec.train_split,
                 self.task_ids,
                 self.config.offline_rollouts,
                 self.config.temperature,
                 self.sampling.max_new_tokens,
-                self.config.seed,
             ],
         )
         name = hashlib.sha256(key.encode()).hexdigest()[:20]
@@ -834,8 +869,9 @@ class Trainer:
     def _evaluate(self) -> dict[str, float]:
         """Success on the fixed held-out tasks, with the policy of the current version."""
         started = time.perf_counter()
+        # the same episode seeds at every version and in every run with this seed: paired comparisons
         side = self._side_rollouts(
-            self.eval_split, self.config.eval_temperature, f"eval-{self.tracker.version}"
+            self.eval_split, self.config.eval_temperature, derive_seed(self.config.seed, "eval")
         )
         try:
             jobs = [Job(t, i) for i, t in enumerate(self.eval_tasks)]

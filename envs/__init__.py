@@ -9,6 +9,9 @@ Importing this package registers the environments with Gymnasium::
 
 ``gym.make("streamrl.envs:MathTIR-v0")`` works with no prior import: Gymnasium imports the module named
 before the colon, then looks the bare id up, so the bare ids are registered as aliases too.
+
+Your own env: subclass :class:`streamrl.envs.base.TextEnv` and register it with plain ``gym.register`` (no
+streamrl registry is involved); ``examples/custom_env.py`` is a complete example.
 """
 
 from __future__ import annotations

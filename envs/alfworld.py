@@ -30,12 +30,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import gymnasium as gym
 import textworld
 from alfworld.agents.environment.alfred_tw_env import AlfredDemangler
 from gymnasium import spaces
 from streamrl.envs import alfworld_gen, textworld_patches
 from streamrl.envs.alfworld_gen import SPLITS, TASK_TYPES, GenerationConfig, Split
+from streamrl.envs.base import TextEnv
 from textworld.envs.pddl import PddlEnv
 
 textworld_patches.apply_patches()
@@ -58,7 +58,6 @@ OFFICIAL_SPLITS: dict[Split, str] = {
     "eval_seen": "valid_seen",
     "eval_unseen": "valid_unseen",
 }
-_OPTION_KEYS = ("task_id",)
 
 
 class AlfredEngine:
@@ -144,7 +143,7 @@ def _find_official_games(data_path: str, split: Split) -> tuple[Path, list[Path]
     return base, games
 
 
-class ALFWorldEnv(gym.Env[str, str]):
+class ALFWorldEnv(TextEnv):
     """ALFWorld text env (standard ALFWorld 0.4 text) on the real TextWorld engine.
 
     Args:
@@ -183,13 +182,9 @@ class ALFWorldEnv(gym.Env[str, str]):
             raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}")
         if not isinstance(max_steps, int) or max_steps < 1:
             raise ValueError(f"max_steps must be an int >= 1, got {max_steps!r}")
-        if render_mode not in (None, *self.metadata["render_modes"]):
-            raise ValueError(
-                f"render_mode must be None or one of {self.metadata['render_modes']}, got {render_mode!r}"
-            )
         if game_files is not None and data_path is not None:
             raise ValueError("pass either game_files or data_path, not both")
-        self.split, self.max_steps, self.render_mode = split, max_steps, render_mode
+        self.split, self.max_steps = split, max_steps
         self.planner_walkthrough = planner_walkthrough
         self.observation_space = spaces.Text(MAX_TEXT_LENGTH, min_length=0, charset=TEXT_CHARSET)
         self.action_space = spaces.Text(256, min_length=0, charset=TEXT_CHARSET)
@@ -201,32 +196,24 @@ class ALFWorldEnv(gym.Env[str, str]):
                 raise FileNotFoundError(
                     f"game_files must be existing game.tw-pddl files; missing: {missing or '[]'}"
                 )
-            self._task_ids = [self._task_id_of(p) for p in paths]
+            task_ids = [self._task_id_of(p) for p in paths]
         elif data_path is not None:
             base, paths = _find_official_games(str(data_path), split)
             # json_2.1.1/<split>/<task>/<trial>/game.tw-pddl -> "alfworld-official/<split>/<task>/<trial>"
-            self._task_ids = [
-                "alfworld-official/" + p.parent.relative_to(base.parent).as_posix() for p in paths
-            ]
+            task_ids = ["alfworld-official/" + p.parent.relative_to(base.parent).as_posix() for p in paths]
         else:
             paths = alfworld_gen.ensure_split(split, generation or GenerationConfig())
-            self._task_ids = [f"alfworld/{split}/{p.parent.name}" for p in paths]
-        if len(set(self._task_ids)) != len(self._task_ids):
+            task_ids = [f"alfworld/{split}/{p.parent.name}" for p in paths]
+        if len(set(task_ids)) != len(task_ids):
             raise ValueError("two games share a task id; pass distinct game files")
-        self._paths = dict(zip(self._task_ids, paths, strict=True))
+        super().__init__(task_ids, render_mode=render_mode)
+        self._paths = dict(zip(task_ids, paths, strict=True))
 
         self._engine: AlfredEngine | None = acquire_engine()
-        self._task_id: str | None = None
         self._meta: dict[str, Any] = {}
         self._admissible: list[str] = []
         self._steps = 0
-        self._done = True
         self._last_obs = ""
-
-    @property
-    def task_ids(self) -> list[str]:
-        """The stable ids of the tasks this env can play, in split order."""
-        return list(self._task_ids)
 
     @staticmethod
     def _task_id_of(path: Path) -> str:
@@ -252,41 +239,23 @@ class ALFWorldEnv(gym.Env[str, str]):
             "gamefile": str(path),
         }
 
-    def reset(
-        self, *, seed: int | None = None, options: dict[str, Any] | None = None
-    ) -> tuple[str, dict[str, Any]]:
-        super().reset(seed=seed)
-        if self._engine is None:
-            raise RuntimeError("this ALFWorldEnv is closed; create a new one")
-        options = dict(options or {})
-        unknown = sorted(set(options) - set(_OPTION_KEYS))
-        if unknown:
-            raise ValueError(f"unknown reset option(s) {unknown}; valid: {list(_OPTION_KEYS)}")
-        task_id = options.get("task_id")
-        if task_id is None:
-            task_id = self._task_ids[int(self.np_random.integers(len(self._task_ids)))]
-        elif task_id not in self._paths:
-            close = [t for t in self._task_ids if t.split("-")[0] == str(task_id).split("-")[0]][:3]
-            raise ValueError(
-                f"unknown task_id {task_id!r} for this env ({len(self._task_ids)} tasks, e.g. "
-                f"{close or self._task_ids[:3]}); see env.unwrapped.task_ids"
-            )
-        if self._engine.loaded != str(self._paths[task_id]) or self._meta.get("gamefile") != str(
-            self._paths[task_id]
-        ):
+    # ---- TextEnv hooks ---------------------------------------------------------------------------
+    def _describe_tasks(self) -> str:
+        return f"split={self.split!r}"
+
+    def _reset_task(self, task_id: str) -> tuple[str, dict[str, Any]]:
+        assert self._engine is not None
+        path = str(self._paths[task_id])
+        if self._engine.loaded != path or self._meta.get("gamefile") != path:
             self._load(task_id)
-        self._task_id = task_id
         obs, self._admissible, won = self._engine.reset()
         if self.planner_walkthrough and not self._meta["walkthrough"]:
             self._meta["walkthrough"] = self._engine.plan()
-        self._steps, self._done, self._last_obs = 0, False, obs
-        return obs, self._info(won, action_valid=True)
+        self._steps, self._last_obs = 0, obs
+        return obs, self._info(task_id, won, action_valid=True)
 
-    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        if self._engine is None:
-            raise RuntimeError("this ALFWorldEnv is closed; create a new one")
-        if self._task_id is None or self._done:
-            raise RuntimeError("call reset() before step() (the episode has not started or has ended)")
+    def _step_task(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        assert self._engine is not None and self._task_id is not None
         if not isinstance(action, str):
             raise TypeError(f"action must be a str command, got {type(action).__name__}: {action!r}")
         valid = action.strip() in self._admissible
@@ -294,13 +263,13 @@ class ALFWorldEnv(gym.Env[str, str]):
         self._steps += 1
         terminated = won
         truncated = not terminated and self._steps >= self.max_steps
-        self._done = terminated or truncated
         self._last_obs = obs
-        return obs, 1.0 if won else 0.0, terminated, truncated, self._info(won, action_valid=valid)
+        info = self._info(self._task_id, won, action_valid=valid)
+        return obs, 1.0 if won else 0.0, terminated, truncated, info
 
-    def _info(self, won: bool, action_valid: bool) -> dict[str, Any]:
+    def _info(self, task_id: str, won: bool, action_valid: bool) -> dict[str, Any]:
         return {
-            "task_id": self._task_id,
+            "task_id": task_id,
             "task_type": self._meta["task_type"],
             "won": won,
             "admissible_commands": list(self._admissible),

@@ -28,19 +28,16 @@ Command line: ``streamrl alfworld-generate [--split train eval_seen eval_unseen]
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import functools
 import json
 import logging
-import multiprocessing
 import os
 import random
-import shutil
+import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -48,7 +45,7 @@ from typing import Any, Literal, cast, get_args
 
 import alfworld.gen.constants as C
 import alfworld.gen.goal_library as glib
-from streamrl.envs.textworld_patches import default_cache_root
+from streamrl.envs.cache import atomic_dir, atomic_write_text, cache_root, file_lock
 
 __all__ = [
     "GENERATOR_VERSION",
@@ -158,7 +155,7 @@ class GenerationConfig:
         return int(getattr(self, split))
 
     def root(self) -> Path:
-        base = Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_root() / "alfworld"
+        base = Path(self.cache_dir).expanduser() if self.cache_dir else cache_root() / "alfworld"
         return base / f"gen-v{GENERATOR_VERSION}"
 
 
@@ -486,38 +483,12 @@ def _game_folder(root: Path, task_id: str) -> Path:
     return root / split / task_id.split("/")[2]
 
 
-@contextlib.contextmanager
-def _locked(root: Path) -> Iterator[None]:
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _write_json_atomic(path: Path, data: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
 def _generate_into(root: Path, split: Split, index: int) -> str:
     task_id, game, traj = generate_game(split, index)
-    final = _game_folder(root, task_id)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
-    try:
+    # A folder left by an interrupted run is replaced (writers hold the split lock, so it is not in use).
+    with atomic_dir(_game_folder(root, task_id), replace=True) as tmp:
         (tmp / "game.tw-pddl").write_text(json.dumps(game, indent=1, sort_keys=True) + "\n")
         (tmp / "traj_data.json").write_text(json.dumps(traj, indent=1, sort_keys=True) + "\n")
-        if final.exists():  # a stale folder from an interrupted run: replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return task_id
 
 
@@ -541,14 +512,16 @@ def ensure_split(
     split: Split, config: GenerationConfig | None = None, *, progress: bool = False
 ) -> list[Path]:
     """Paths of the ``game.tw-pddl`` files of ``split`` (``config.size(split)`` games, in index order),
-    generating the missing ones first. Safe under concurrent processes (an exclusive lock file serializes
-    writers; every file is written to a temporary name and renamed)."""
+    generating the missing ones first. Safe under concurrent processes: an exclusive lock file serializes
+    writers, every file and game folder is written under a temporary name and renamed, and the generation
+    workers never take that lock (they are fresh interpreters that only write game folders, see
+    :func:`_generate_in_workers`)."""
     config = config or GenerationConfig()
     n = config.size(split)
     root = config.root()
     known = _read_manifest(root, split, n)
     if len(known) < n:
-        with _locked(root):
+        with file_lock(root / ".lock"):
             known = _read_manifest(root, split, n)  # another process may have finished meanwhile
             if len(known) < n:
                 known = _generate_missing(root, split, known, n, config.workers, progress)
@@ -561,8 +534,6 @@ def _generate_missing(
     (root / split).mkdir(parents=True, exist_ok=True)
     todo = list(range(len(known), n))
     n_workers = max(1, min(workers or os.cpu_count() or 1, len(todo)))
-    if multiprocessing.current_process().daemon:  # e.g. inside a vector-env worker: no children allowed
-        n_workers = 1
     _log.warning(
         "generating %d ALFWorld %s games into %s with %d process(es) (first use only; ~0.5 CPU-second per game)",
         len(todo),
@@ -574,15 +545,58 @@ def _generate_missing(
     if n_workers == 1:
         new = [_generate_into(root, split, i) for i in todo]
     else:
-        # spawn: the parent may hold threads (torch) and a loaded planner library; fork would copy both.
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(n_workers, mp_context=ctx) as pool:
-            new = list(pool.map(_generate_into, [root] * len(todo), [split] * len(todo), todo, chunksize=4))
+        new = _generate_in_workers(root, split, todo, n_workers)
     task_ids = known + new
-    _write_json_atomic(
-        root / split / "manifest.json",
-        {"generator_version": GENERATOR_VERSION, "split": split, "task_ids": task_ids},
-    )
+    manifest = {"generator_version": GENERATOR_VERSION, "split": split, "task_ids": task_ids}
+    atomic_write_text(root / split / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     if progress:
         print(f"{split}: generated {len(todo)} games in {time.perf_counter() - start:.1f}s -> {root / split}")
     return task_ids
+
+
+# A worker is a fresh interpreter started with -c. Not multiprocessing: its spawn and forkserver children
+# re-run the caller's __main__ module, and a script without an ``if __name__ == "__main__"`` guard would
+# call ensure_split again there and wait forever for the lock this process holds (issue 14). Nor fork:
+# the caller may hold threads (torch) and a loaded planner library.
+_WORKER = "import sys; from streamrl.envs.alfworld_gen import _worker_main; _worker_main(sys.argv[1:])"
+
+
+def _worker_main(argv: Sequence[str]) -> None:
+    """Body of a generation worker: ``argv`` = cache root, split, game indices; prints ``index task_id``
+    per generated game."""
+    root, split, *indices = argv
+    _check_split(split)
+    for index in map(int, indices):
+        print(index, _generate_into(Path(root), cast(Split, split), index), flush=True)
+
+
+def _generate_in_workers(root: Path, split: Split, todo: list[int], n_workers: int) -> list[str]:
+    """Generate games ``todo`` in ``n_workers`` worker processes (interleaved shares); their task ids in order."""
+    shares = [todo[k::n_workers] for k in range(n_workers)]
+    procs: list[tuple[subprocess.Popen[bytes], Any, Any]] = []
+    try:
+        for share in shares:
+            out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # no pipe to fill up
+            args = [sys.executable, "-c", _WORKER, str(root), split, *map(str, share)]
+            procs.append((subprocess.Popen(args, stdout=out, stderr=err, stdin=subprocess.DEVNULL), out, err))
+        done: dict[int, str] = {}
+        for (proc, out, err), share in zip(procs, shares, strict=True):
+            if proc.wait() != 0:
+                err.seek(0)
+                said = err.read()[-3000:].decode(errors="replace").strip()
+                raise RuntimeError(
+                    f"an ALFWorld generation worker (games {share[0]}.. of {split}, every {n_workers}th) failed "
+                    f"with exit code {proc.returncode}:\n{said}"
+                )
+            out.seek(0)
+            for line in out.read().decode().splitlines():
+                index, task_id = line.split(maxsplit=1)
+                done[int(index)] = task_id
+    finally:
+        for proc, out, err in procs:
+            if proc.poll() is None:  # an error or an interrupt in this process: stop the others
+                proc.kill()
+                proc.wait()
+            out.close()
+            err.close()
+    return [done[i] for i in todo]

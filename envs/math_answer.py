@@ -1,25 +1,37 @@
 """Final-answer extraction (the last ``\\boxed{...}``) and mathematical equivalence for Math-TIR rewards.
 
-Checking order (docs/platform.md §6): exact match after normalization, then exact rational
-comparison of plain numbers (``0.5`` = ``1/2`` = ``\\frac{1}{2}`` = ``50\\%``), then math-verify
-(Hugging Face; LaTeX, sets, intervals), then sympy with a numeric tolerance. The symbolic stages run in a
-worker thread under a wall-clock bound: math-verify's own timeouts use ``signal.alarm``, which only works
-in the main thread, so they are switched off (``parsing_timeout=None``, ``timeout_seconds=None``) and the
-bound is enforced here instead.
+Checking order (docs/platform.md §6): exact match after normalization, then exact rational comparison of
+plain numbers (``0.5`` = ``1/2`` = ``\\frac{1}{2}`` = ``50\\%``), then math-verify (Hugging Face; LaTeX, sets,
+intervals), then sympy with a numeric tolerance.
+
+The first two stages are cheap and bounded (string operations and rational arithmetic on at most a turn's
+worth of digits) and run in the caller. The symbolic stages are not: a policy can write ``2^{2^{64}}`` or
+``(10**7)!``, which sympy evaluates while holding the GIL for minutes, so no thread can bound them. They run
+in a sandbox process (:class:`streamrl.envs.sandbox.SandboxPool`) that is killed at the deadline; an answer
+that runs out of time counts as not equal. The program sent there is this module's own source plus one call
+of :func:`_symbolic_equal`, which is why this module imports nothing of streamrl at load time (the sandboxed
+process cannot import streamrl).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import re
-import threading
 from fractions import Fraction
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["answers_equal", "extract_boxed", "normalize_answer", "parse_number"]
+if TYPE_CHECKING:
+    from streamrl.envs.sandbox import SandboxConfig, SandboxPool
 
+__all__ = ["answers_equal", "extract_boxed", "grading_sandbox", "normalize_answer", "parse_number"]
+
+# Answers longer than this (normalized) or with more exponent operators than _MAX_POWERS are judged not
+# equal without a symbolic check: no reference answer looks like that, and power towers such as 9^9^9^9
+# would only spend the whole deadline in the grading process.
 _MAX_SYMBOLIC_CHARS = 300
-# Power towers such as 9^9^9^9 make sympy evaluate astronomically large numbers; such a check cannot be
-# interrupted inside a thread, so answers with more than this many exponent operators stay numeric-only.
 _MAX_POWERS = 2
 
 
@@ -116,7 +128,10 @@ def parse_number(answer: str) -> Fraction | None:
         m = _NUMBER.fullmatch(s)
         if not m:
             return None
-        value = Fraction(m.group(2))
+        try:
+            value = Fraction(m.group(2))
+        except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
+            return None
         if m.group(3):
             exponent = int(m.group(3))
             if abs(exponent) > 400:
@@ -131,8 +146,15 @@ def _close(a: complex, b: complex, rel_tol: float, abs_tol: float) -> bool:
     return abs(a - b) <= max(abs_tol, rel_tol * abs(b))
 
 
+def _close_exact(a: Fraction, b: Fraction, rel_tol: float, abs_tol: float) -> bool:
+    """:func:`_close` in exact rational arithmetic: numbers beyond float range (``1e400``, a 400-digit
+    literal) compare without overflow."""
+    return abs(a - b) <= max(Fraction(abs_tol), Fraction(rel_tol) * abs(b))
+
+
 class _QuietTimeoutWarning(logging.Filter):
-    """math-verify warns once that its timeouts are off; here they are off on purpose (see module doc)."""
+    """math-verify warns once that its timeouts are off. They are off on purpose: they use ``signal.alarm``
+    (main thread only), and the checks run in a process that is killed at the deadline instead."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "Timeout is disabled" not in record.getMessage()
@@ -180,14 +202,18 @@ def answers_equal(
     rel_tol: float = 1e-6,
     abs_tol: float = 1e-9,
     timeout_s: float = 5.0,
+    pool: SandboxPool | None = None,
 ) -> bool:
     """Whether the answer ``pred`` is mathematically equal to the ground truth ``gold``.
 
     Numbers compare exactly as rationals first, then within ``rel_tol`` / ``abs_tol`` (so ``0.3333333``
-    matches ``1/3`` only to 1e-6 relative). Anything else goes to math-verify and sympy, bounded by
-    ``timeout_s`` seconds: a check that runs out of time counts as *not equal* and is abandoned (its daemon
-    thread finishes in the background; answers long enough or with power towers to risk that are kept
-    numeric-only up front). Safe to call from any thread.
+    matches ``1/3`` only to 1e-6 relative); these checks run here. Anything else goes to math-verify and sympy
+    in a sandbox process killed after ``timeout_s`` seconds (see the module doc): a check that runs out of
+    time counts as *not equal*. Answers too long or with power towers are judged not equal without a check.
+
+    ``pool``: the sandbox pool to check in, built from :func:`grading_sandbox` (an env keeps one for its
+    lifetime). Without one, the process-wide shared pool of that config is held for this call only, which
+    starts a sandbox process (~1 s) unless another holder keeps it running. Safe to call from any thread.
     """
     if pred is None:
         return False
@@ -200,20 +226,38 @@ def answers_equal(
         return True
     p_num, g_num = parse_number(pred), parse_number(gold)
     if p_num is not None and g_num is not None:
-        return p_num == g_num or _close(float(p_num), float(g_num), rel_tol, abs_tol)
+        return p_num == g_num or _close_exact(p_num, g_num, rel_tol, abs_tol)
     too_big = max(len(p_norm), len(g_norm)) > _MAX_SYMBOLIC_CHARS
     towers = max(s.count("^") + s.count("**") for s in (p_norm, g_norm)) > _MAX_POWERS
     if too_big or towers:
         return False
-    result: list[bool] = []
+    program = f"{_module_source()}\nprint(_symbolic_equal({pred!r}, {gold!r}, {rel_tol!r}, {abs_tol!r}))\n"
+    from streamrl.envs.sandbox import acquire_shared_pool, release_shared_pool  # see the module doc
 
-    def check() -> None:
-        try:
-            result.append(_symbolic_equal(pred, gold, rel_tol, abs_tol))
-        except Exception:  # unparsable answers are simply not equal
-            result.append(False)
+    held = pool if pool is not None else acquire_shared_pool(grading_sandbox(timeout_s))
+    try:
+        result = held.run(program, timeout=timeout_s)
+    finally:
+        if pool is None:
+            release_shared_pool(held)
+    # Unparsable answers raise in there (status "error"): simply not equal. Libraries may log above the verdict.
+    lines = result.output.strip().splitlines()
+    return result.ok and bool(lines) and lines[-1] == "True"
 
-    worker = threading.Thread(target=check, name="answer-check", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    return bool(result and result[0])
+
+def grading_sandbox(timeout_s: float = 5.0) -> SandboxConfig:
+    """The sandbox config of symbolic answer checks bounded by ``timeout_s`` seconds: one process with sympy
+    and math-verify loaded, a CPU-time limit of the same length as a backstop to the wall-clock kill."""
+    from streamrl.envs.sandbox import SandboxConfig
+
+    return SandboxConfig(
+        timeout_s=timeout_s,
+        cpu_time_s=max(1, math.ceil(timeout_s)),
+        pool_size=1,
+        preload=("math", "fractions", "sympy", "math_verify", "latex2sympy2_extended"),
+    )
+
+
+@functools.cache
+def _module_source() -> str:
+    return Path(__file__).read_text(encoding="utf-8")

@@ -18,7 +18,9 @@ Episode protocol (the ToRL / SimpleTIR / SPO-recipe format):
 extracted final answer or ``None``), ``ground_truth``, ``turn``; after a tool call also ``tool_status``.
 
 The env starts no process until the first tool call; then it uses the process-wide sandbox pool
-(:func:`streamrl.envs.sandbox.acquire_shared_pool`), which the last env to close shuts down.
+(:func:`streamrl.envs.sandbox.acquire_shared_pool`), which the last env to close shuts down. Answers that
+need a symbolic check (anything but a plain number) are judged the same way, in a sandbox process of their
+own that is killed after ``answer_timeout_s`` (:mod:`streamrl.envs.math_answer`), so no answer can hang a step.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import gymnasium as gym
 from gymnasium import spaces
-from streamrl.envs.math_answer import answers_equal, extract_boxed
+from streamrl.envs.base import TextEnv
+from streamrl.envs.math_answer import answers_equal, extract_boxed, grading_sandbox
 from streamrl.envs.math_tasks import SOURCES, SPLITS, MathTask, Source, Split, custom_tasks, task_set
 from streamrl.envs.sandbox import (
     SandboxConfig,
@@ -88,7 +90,7 @@ class MathTIRConfig:
     max_observation_chars: int = 8_192
     """Observations are cut (head + tail) to this length (the observation space's ``max_length``)."""
     answer_timeout_s: float = 5.0
-    """Time bound of one answer check (math-verify / sympy)."""
+    """Time bound of one symbolic answer check (math-verify / sympy, in a process killed at the bound)."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """Limits of the Python tool sandbox."""
 
@@ -158,7 +160,7 @@ def _clean_text(text: str | bytes) -> str:
     return text.encode("utf-8", errors="replace").decode("utf-8") if not text.isascii() else text
 
 
-class MathTIREnv(gym.Env[str, str]):
+class MathTIREnv(TextEnv):
     """Math problems with a Python tool; see the module docstring for the episode protocol.
 
     Args:
@@ -167,6 +169,9 @@ class MathTIREnv(gym.Env[str, str]):
         tasks: your own ``(question, answer)`` records or ``{"question", "answer"[, "task_id"]}`` mappings
             (or ready :class:`MathTask` objects); replaces the built-in task set.
         render_mode: ``None`` or ``"ansi"`` (``render()`` returns the episode's transcript).
+
+    ``task_ids`` lists the task ids; ``tasks`` the full records (question, answer, reference program), in
+    the same order.
     """
 
     metadata = {"render_modes": ["ansi"], "render_fps": 1}  # noqa: RUF012 - gymnasium's own convention
@@ -179,7 +184,6 @@ class MathTIREnv(gym.Env[str, str]):
         render_mode: str | None = None,
         **overrides: Any,
     ) -> None:
-        super().__init__()
         config = config or MathTIRConfig()
         if overrides:
             unknown = sorted(set(overrides) - set(MathTIRConfig.__dataclass_fields__))
@@ -188,20 +192,18 @@ class MathTIREnv(gym.Env[str, str]):
                     f"unknown MathTIREnv option(s) {unknown}; valid: {sorted(MathTIRConfig.__dataclass_fields__)}"
                 )
             config = replace(config, **overrides)
-        if render_mode not in (None, "ansi"):
-            raise ValueError(f"render_mode={render_mode!r} is not supported; use None or 'ansi'")
         self.config = config
-        self.render_mode = render_mode
         self.tasks = self._load_tasks(tasks)
+        super().__init__([t.task_id for t in self.tasks], render_mode=render_mode)
         self._by_id = {t.task_id: t for t in self.tasks}
         self.observation_space = spaces.Text(config.max_observation_chars, min_length=1, charset=CHARSET)
         self.action_space = spaces.Text(config.max_action_chars, min_length=0, charset=CHARSET)
-        self._pool: SandboxPool | None = None
+        self._pool: SandboxPool | None = None  # the tool's sandbox (started at the first tool call)
+        self._grader: SandboxPool | None = None  # the answer checker's (started at the first symbolic check)
         self._task: MathTask | None = None
         self._turn = 0
         self._tool_calls = 0
         self._cells: list[str] = []  # successful code blocks of this episode (for stateful_tool)
-        self._done = False
         self._transcript: list[str] = []
 
     def _load_tasks(self, tasks: Iterable[Any] | None) -> tuple[MathTask, ...]:
@@ -213,45 +215,24 @@ class MathTIREnv(gym.Env[str, str]):
             loaded: tuple[MathTask, ...] = tuple(items)
         else:
             loaded = custom_tasks(items)
-        if len({t.task_id for t in loaded}) != len(loaded):
-            raise ValueError("tasks contain duplicate task_id values")
         return loaded if c.size is None else loaded[: c.size]
 
-    # ---- gym API ---------------------------------------------------------------------------------
-    def reset(
-        self, *, seed: int | None = None, options: dict[str, Any] | None = None
-    ) -> tuple[str, dict[str, Any]]:
-        """Start an episode: ``options={"task_id": ...}`` picks the task, else one is drawn with ``seed``."""
-        super().reset(seed=seed)
-        options = dict(options or {})
-        unknown = sorted(set(options) - {"task_id"})
-        if unknown:
-            raise ValueError(f"unknown reset option(s) {unknown}; the only option is 'task_id'")
-        if "task_id" in options:
-            task_id = options["task_id"]
-            if task_id not in self._by_id:
-                examples = ", ".join(repr(t.task_id) for t in self.tasks[:3])
-                raise ValueError(
-                    f"unknown task_id {task_id!r} for this env ({len(self.tasks)} tasks, e.g. {examples}; "
-                    f"source={self.config.source!r}, split={self.config.split!r})"
-                )
-            self._task = self._by_id[task_id]
-        else:
-            self._task = self.tasks[int(self.np_random.integers(len(self.tasks)))]
+    def _describe_tasks(self) -> str:
+        return f"source={self.config.source!r}, split={self.config.split!r}"
+
+    # ---- TextEnv hooks ---------------------------------------------------------------------------
+    def _reset_task(self, task_id: str) -> tuple[str, dict[str, Any]]:
+        self._task = self._by_id[task_id]
         self._turn = self._tool_calls = 0
         self._cells = []
-        self._done = False
         obs = self._observation(self._task.question)
         self._transcript = [obs]
         return obs, self._info(action_valid=True, answer=None)
 
-    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+    def _step_task(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """Play one turn: judge a ``\\boxed{}`` answer, run a python block, or explain what was expected.
         ``bytes`` are accepted and decoded (invalid UTF-8 becomes U+FFFD)."""
-        if self._task is None:
-            raise RuntimeError("call reset() before step()")
-        if self._done:
-            raise RuntimeError("the episode is over (terminated or truncated); call reset()")
+        assert self._task is not None
         if not isinstance(action, str | bytes):
             raise TypeError(f"action must be a str (the agent's turn), got {type(action).__name__}")
         text = _clean_text(action)
@@ -269,7 +250,11 @@ class MathTIREnv(gym.Env[str, str]):
             turn = parse_turn(text)
             if turn.answer is not None:
                 answer, terminated = turn.answer, True
-                won = answers_equal(answer, self._task.answer, timeout_s=self.config.answer_timeout_s)
+                if self._grader is None:
+                    self._grader = acquire_shared_pool(grading_sandbox(self.config.answer_timeout_s))
+                won = answers_equal(
+                    answer, self._task.answer, timeout_s=self.config.answer_timeout_s, pool=self._grader
+                )
                 reward = 1.0 if won else 0.0
                 obs = f"Final answer received: {answer}. It is {'correct' if won else 'incorrect'}."
             elif turn.code is not None:
@@ -286,7 +271,6 @@ class MathTIREnv(gym.Env[str, str]):
             obs += (
                 f"\nThe turn limit ({self.config.max_turns}) is reached; the episode ends without an answer."
             )
-        self._done = terminated or truncated
         obs = self._observation(obs)
         self._transcript += [f"> {text}", obs]
         info = self._info(action_valid=valid, answer=answer, won=reward == 1.0)
@@ -353,8 +337,9 @@ class MathTIREnv(gym.Env[str, str]):
         return None
 
     def close(self) -> None:
-        """Release this env's hold on the shared sandbox pool (the last holder stops its processes)."""
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            release_shared_pool(pool)
+        """Release this env's hold on the shared sandbox pools (the last holder stops their processes)."""
+        for pool in (self._pool, self._grader):
+            if pool is not None:
+                release_shared_pool(pool)
+        self._pool = self._grader = None
         super().close()

@@ -626,6 +626,12 @@ _WARMUP = {
         "sp.integrate(y**2, y); sp.nsimplify(0.5); sp.Rational(3, 4) + 1; sp.sqrt(8); sp.binomial(10, 3)\n"
     ),
     "numpy": "import numpy as np\nnp.linalg.solve(np.eye(2), np.ones(2)); np.arange(10).sum()\n",
+    # The answer checker of Math-TIR (streamrl.envs.math_answer): LaTeX parsing and comparison.
+    "math_verify": (
+        "from math_verify import parse, verify\n"
+        "verify(parse('$\\\\frac{1}{2}$', parsing_timeout=None), parse('$0.5$', parsing_timeout=None), "
+        "timeout_seconds=None)\n"
+    ),
 }
 
 

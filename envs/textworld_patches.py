@@ -49,10 +49,8 @@ import copy
 import functools
 import hashlib
 import importlib.metadata
-import os
 import pickle
 import sys
-import tempfile
 import zlib
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Iterator
@@ -63,11 +61,11 @@ import fast_downward
 import textworld.envs.pddl.logic as _pddl_logic
 import textworld.envs.pddl.textgen as _textgen
 import textworld.logic as _tw_logic
+from streamrl.envs.cache import atomic_write_bytes, cache_root
 from textworld.utils import check_flag
 
 __all__ = [
     "apply_patches",
-    "default_cache_root",
     "patches_applied",
     "translation_cache_dir",
     "unpatched",
@@ -97,14 +95,9 @@ _ORIGINAL: dict[str, Any] = {
 _applied = False
 
 
-def default_cache_root() -> Path:
-    """``$STREAMRL_CACHE`` if set, else ``~/.cache/streamrl``: where streamrl keeps generated data."""
-    return Path(os.environ.get("STREAMRL_CACHE") or Path.home() / ".cache" / "streamrl").expanduser()
-
-
 def translation_cache_dir() -> Path:
     """Folder of the on-disk PDDL->SAS translation cache (``<cache root>/alfworld/sas``)."""
-    return default_cache_root() / "alfworld" / "sas"
+    return cache_root() / "alfworld" / "sas"
 
 
 # -- patch 1: memoized grammar-snippet parsing --------------------------------------------------------
@@ -157,21 +150,6 @@ def _translation_key(domain: str, problem: str, optimize: bool) -> str:
     return h.hexdigest()
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write via a temp file in the same folder + rename, so readers never see a partial file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; the cache may be shared
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 @functools.lru_cache(maxsize=_MEMORY_CACHE_SIZE)
 def _translate_cached(domain: str, problem: str, optimize: bool) -> tuple[Any, str]:
     path = translation_cache_dir() / f"{_translation_key(domain, problem, optimize)}.pkl"
@@ -188,7 +166,7 @@ def _translate_cached(domain: str, problem: str, optimize: bool) -> tuple[Any, s
         sys.argv = argv  # pddl2sas sets sys.argv = ["translate.py", "domain", "task"] for good
     with contextlib.suppress(OSError):  # a read-only cache only costs speed
         # zlib level 1: SAS text shrinks ~10x for ~3 ms per load.
-        _atomic_write_bytes(
+        atomic_write_bytes(
             path, zlib.compress(pickle.dumps((task, sas), protocol=pickle.HIGHEST_PROTOCOL), 1)
         )
     return task, sas

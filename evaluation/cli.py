@@ -3,6 +3,7 @@
 streamrl demo                  play Math-TIR test problems with the scripted solver through the real sandbox
 streamrl train                 train a policy with SPO, SPO++, GRPO, SAO or your own algorithm
 streamrl sft                   behaviour-clone a model on expert trajectories (SFT cold start), then evaluate it
+streamrl value-pretrain        fit SAO's critic on rollouts of the initial policy (``--critic-init`` of a run)
 streamrl alfworld-generate     generate the offline ALFWorld game splits into the cache
 
 Every subcommand's flags are derived from documented config dataclasses (``streamrl.evaluation.config_cli``):
@@ -325,6 +326,58 @@ def _train(argv: Sequence[str]) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# streamrl value-pretrain
+
+
+SAO_CRITIC_FIELDS = (
+    "gamma",
+    "critic_lr",
+    "critic_weight_decay",
+    "critic_max_grad_norm",
+    "critic_lora_rank",
+    "critic_lora_alpha",
+    "critic_lora_targets",
+    "critic_init",
+)
+"""``SAOConfig`` fields that ``streamrl value-pretrain`` takes as flags: the critic's shape and optimizer,
+the returns' discount, and a critic to continue from."""
+
+
+def parse_value_pretrain_args(argv: Sequence[str]) -> tuple[Any, Any]:
+    """``streamrl value-pretrain``'s ``ValuePretrainConfig`` and the ``SAOConfig`` whose ``critic_*`` fields
+    (and ``gamma``) shape the critic: the env's SAO preset with the flags laid over it."""
+    from streamrl.algorithms.sao import SAOConfig, ValuePretrainConfig
+
+    parser = _parser("value-pretrain", ValuePretrainConfig.__doc__)
+    add_dataclass_arguments(parser.add_argument_group("run (ValuePretrainConfig)"), ValuePretrainConfig)
+    add_dataclass_arguments(
+        parser.add_argument_group("critic (SAOConfig fields; an SAO run loading it must agree)"),
+        SAOConfig,
+        include=SAO_CRITIC_FIELDS,
+    )
+    args = parser.parse_args(list(argv))
+    config = _build(parser, ValuePretrainConfig, args)
+    try:
+        sao = getattr(SAOConfig, config.env)(**given_arguments(SAOConfig, args))
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
+    return config, sao
+
+
+def _value_pretrain(argv: Sequence[str]) -> int:
+    from streamrl.algorithms.sao import pretrain_critic
+
+    config, sao = parse_value_pretrain_args(argv)
+    try:
+        report = pretrain_critic(config, sao, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except ValueError as error:
+        print(f"streamrl value-pretrain: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Dispatch
 
 
@@ -348,6 +401,10 @@ COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
     "demo": ("play Math-TIR with the scripted solver through the real sandbox", _demo),
     "train": ("train a policy (SPO, SPO++, GRPO, SAO or your own) on the single-stream runtime", _train),
     "sft": ("behaviour-clone a model on expert trajectories (SFT cold start), then evaluate it", _sft),
+    "value-pretrain": (
+        "fit SAO's critic on rollouts of the initial policy (SAOConfig.critic_init)",
+        _value_pretrain,
+    ),
     "alfworld-generate": ("generate the offline ALFWorld game splits into the cache", _alfworld_generate),
 }
 """Subcommand -> (one-line help, ``run(argv) -> exit status``). Each subcommand builds its own parser, so

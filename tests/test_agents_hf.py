@@ -151,3 +151,62 @@ def test_selected_token_logprobs_equal_full_ones() -> None:
     select[1, 24:] = False
     full = token_logprobs(model, ids, mask)[select]
     assert torch.allclose(selected_token_logprobs(model, ids, mask, select), full, atol=1e-6)
+
+
+def _tuned_lora(seed: int) -> object:
+    """``tiny`` wrapped with a LoRA adapter named "default" whose ``B`` is non-zero (it changes log-probs)."""
+    model = wrap_lora(load_model(resolve_model("tiny")), LoRAConfig(rank=4, alpha=8, seed=seed))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(seed * 1000 + len(name)))
+    return model
+
+
+def test_a_given_peft_model_is_served_as_is_and_keeps_its_adapters(tmp_path: Path) -> None:
+    """The learner's own PeftModel handed to an in-process backend: its active adapter is what is served,
+    publishing adapters never deletes (or freezes, or deactivates) the caller's adapter."""
+    policy = _tuned_lora(seed=1)
+    other = save_adapter(_tuned_lora(seed=2), tmp_path / "other")
+    ids = torch.tensor([[5, 17, 300, 42, 9, 1000, 7]])
+    mask = torch.ones_like(ids)
+
+    def own() -> list[float]:  # the caller's model, called directly
+        with torch.no_grad():
+            return token_logprobs(policy, ids, mask)[0, 1:].tolist()
+
+    with torch.no_grad():
+        adapted = own()
+        with policy.disable_adapter():
+            base = token_logprobs(policy, ids, mask)[0, 1:].tolist()
+    assert _maxdiff(adapted, base) > 1e-3
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    backend = HFBackend(policy, tokenizer=HFBackend("tiny").tokenizer)
+    seqs, plens = [ids[0].tolist()], [2]
+    assert _maxdiff(backend.score(seqs, plens)[0], adapted) < 1e-5  # the adapter, not the base weights
+
+    backend.set_adapter(other, 1)  # a published adapter, loaded under a backend-owned name
+    reference = HFBackend(resolve_model("tiny"))
+    reference.set_adapter(other, 1)
+    assert _maxdiff(backend.score(seqs, plens)[0], reference.score(seqs, plens)[0]) < 1e-5
+    backend.set_adapter(other, 2)  # replaces the backend's own adapter only
+    backend.set_adapter(None, 3)  # base weights: every adapter disabled for the backend's passes
+    assert _maxdiff(backend.score(seqs, plens)[0], base) < 1e-5
+    assert "default" in policy.peft_config and policy.active_adapter == "default"
+    assert len(policy.peft_config) == 2  # "default" and the backend's latest load
+    assert {n for n, p in policy.named_parameters() if p.requires_grad} == trainable
+    assert _maxdiff(own(), adapted) < 1e-6
+
+
+def test_a_closed_backend_says_so(tmp_path: Path) -> None:
+    backend = HFBackend("tiny")
+    prompt = _prompts(backend)[0]
+    backend.close()
+    backend.close()  # idempotent
+    for call in (
+        lambda: backend.generate([prompt], SamplingParams(max_new_tokens=2)),
+        lambda: backend.score([prompt], [1]),
+        lambda: backend.set_adapter(None, 1),
+    ):
+        with pytest.raises(RuntimeError, match="HFBackend is closed"):
+            call()

@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import gymnasium as gym
 import pytest
 import streamrl.envs  # noqa: F401
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from streamrl.agents.base import Agent, SamplingParams
+from streamrl.agents.base import Agent, SamplingParams, derive_seed
 from streamrl.agents.env_specs import task_ids_of
 from streamrl.agents.hf_backend import HFBackend
 from streamrl.agents.llm_agent import ContextPolicy, LLMAgent
-from streamrl.agents.prompts import ALFWorldPrompt, MathTIRPrompt, boxed_answer
+from streamrl.agents.prompts import ALFWorldPrompt, MathTIRPrompt
 from streamrl.agents.random_agent import RandomTextAgent
 from streamrl.agents.rollout import play_episode
-from streamrl.agents.trajectory import Trajectory, finalize
+from streamrl.agents.trajectory import Trajectory, TurnRecord
+from streamrl.envs.math_answer import extract_boxed
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +66,8 @@ def check_trajectory(traj: Trajectory, backend: HFBackend, result_actions: list[
 def play(env: gym.Env, agent: Agent, task: int = 0) -> tuple[Trajectory, list[str]]:
     ids = task_ids_of(env)
     result = play_episode(env, agent, options={"task_id": ids[task]})
-    traj = finalize(result)
+    traj = result.record
+    assert traj is not None
     assert traj.task_id == ids[task] and traj.won == result.won and traj.reward == result.reward
     assert traj.truncated == result.truncated and traj.terminated == result.terminated
     assert [t.observation for t in traj.turns] == [t.observation for t in result.turns]
@@ -172,7 +175,7 @@ def test_parsers() -> None:
     code = math.parse_action("Compute.\n```python\nprint(2)\n```\n```output\n3\n```", {})
     assert code.valid and code.action.endswith("```") and "output" not in code.action
     assert math.parse_action("so \\boxed{\\frac{1}{2}}", {}).valid
-    assert boxed_answer("a \\boxed{1} then \\boxed{\\frac{3}{4}}") == "\\frac{3}{4}"
+    assert extract_boxed("a \\boxed{1} then \\boxed{\\frac{3}{4}}") == "\\frac{3}{4}"
     assert not math.parse_action("I think it is 4", {}).valid
 
 
@@ -214,3 +217,65 @@ def test_smollm2_plays_a_short_episode(alfworld_env: gym.Env) -> None:
         env.close()
     assert len(traj.turns) == 2
     check_trajectory(traj, backend, actions)
+
+
+def test_a_run_seed_gives_each_episode_and_turn_its_own_draws(tiny: HFBackend, math_env: gym.Env) -> None:
+    """``sampling.seed`` is the run seed: each (episode, turn) samples with its own seed derived from it, so
+    episodes acting in separate calls on the same observation (a replayed task, a group) draw different
+    samples, and the same (run seed, episode, turn) reproduces its sample."""
+    obs, info = math_env.reset(options={"task_id": task_ids_of(math_env)[0]})
+
+    def run(seed: int) -> tuple[LLMAgent, list[str]]:
+        agent = LLMAgent(
+            tiny, prompt_format=MathTIRPrompt(), sampling=SamplingParams(max_new_tokens=16, seed=seed)
+        )
+        texts = []
+        for eid in ("a", "b"):  # the same first observation, one call each
+            agent.act([obs], [info], [eid])
+            texts.append(agent._episodes[eid].trajectory.turns[0].text)
+        agent.act([obs, obs], [info, info], ["a", "b"])  # a second turn of both, in one call
+        return agent, texts
+
+    agent, texts = run(seed=5)
+    assert texts[0] != texts[1]
+    again, texts_again = run(seed=5)
+    assert texts_again == texts
+    assert run(seed=6)[1] != texts
+    for eid in ("a", "b"):
+        record, repeat = agent.end_episode(eid), again.end_episode(eid)
+        assert [s.token_ids for s in record.sequences] == [s.token_ids for s in repeat.sequences]
+        seeds = [turn.seed for turn in record.turns]
+        assert seeds == [derive_seed(5, eid, t) for t in range(2)] and seeds[0] != seeds[1]
+        # a turn's sample is its prompt and its seed: regenerating them gives the recorded tokens
+        turn, seq = record.turns[1], record.sequences[0]
+        prompt = seq.token_ids[: turn.action_span[0]]
+        params = replace(agent.sampling, max_new_tokens=16)
+        (same,) = tiny.generate([prompt], params, seeds=[turn.seed])
+        assert same.token_ids == seq.token_ids[slice(*turn.action_span)]
+
+
+def test_play_episode_returns_a_complete_record(tiny: HFBackend, alfworld_env: gym.Env) -> None:
+    agent = LLMAgent(tiny, prompt_format=ALFWorldPrompt(), sampling=SamplingParams(max_new_tokens=8))
+    task_id = task_ids_of(alfworld_env)[1]
+    result = play_episode(alfworld_env, agent, options={"task_id": task_id})
+    record = result.record
+    assert isinstance(record, Trajectory) and result.truncated  # max_steps=4 for tiny's random walk
+    assert (record.reward, record.won, record.terminated, record.truncated) == (
+        result.reward,
+        result.won,
+        result.terminated,
+        result.truncated,
+    )
+    assert record.info["task_id"] == task_id and "admissible_commands" in record.info
+    assert [t.observation for t in record.turns] == [t.observation for t in result.turns]
+    assert [t.action_valid for t in record.turns] == [t.action_valid for t in result.turns]
+
+
+def test_set_outcome_fills_the_last_turn_from_the_final_info() -> None:
+    record = Trajectory(task_id="t")
+    record.turns.append(
+        TurnRecord(text="go", action="go", sequence=0, action_span=(0, 0), prompt_span=(0, 0))
+    )
+    record.set_outcome(1.0, True, True, False, {"action_valid": True, "won": True}, last_observation="done")
+    assert record.turns[-1].action_valid is True and record.turns[-1].observation == "done"
+    assert record.reward == 1.0 and record.won and record.info["won"] is True

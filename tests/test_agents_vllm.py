@@ -98,6 +98,17 @@ def vllm_backend() -> Any:
     backend.close()  # idempotent
     caller.join(timeout=60)
     assert not caller.is_alive() and "closed while this call was running" in str(outcome.get("error"))
+    for late_call in (  # every entry point says the backend is closed, the coroutines too
+        lambda: backend.generate([[1, 2, 3]], GREEDY),
+        lambda: backend.score([[1, 2, 3]], [1]),
+        lambda: backend.set_adapter(None, 1),
+        lambda: backend.served_loras(),
+        lambda: asyncio.run(backend.agenerate([[1, 2, 3]], GREEDY)),
+        lambda: asyncio.run(backend.ascore([[1, 2, 3]], [1])),
+        lambda: asyncio.run(backend.aset_adapter(None, 1)),
+    ):
+        with pytest.raises(RuntimeError, match="VLLMBackend is closed"):
+            late_call()
     _gone, alive = psutil.wait_procs(engine_processes, timeout=30)
     assert not alive, f"engine processes left after close(): {alive}"
 

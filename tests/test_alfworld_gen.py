@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -150,6 +151,50 @@ def test_concurrent_processes_share_the_cache_safely(tmp_path: Path) -> None:
     config = gen.GenerationConfig(train=0, eval_seen=0, eval_unseen=4, cache_dir=str(tmp_path), workers=1)
     assert [str(p) for p in gen.ensure_split("eval_unseen", config)][:3] == a
     assert Path(a[1]).read_bytes() == before
+
+
+# A new user's script, as written without an ``if __name__ == "__main__":`` guard: every multiprocessing
+# spawn child re-runs it. Issue 14: the parent held the cache lock while its spawned generation workers,
+# re-running this script, waited for that lock -- forever.
+_USER_SCRIPT = """
+from streamrl.envs.alfworld_gen import GenerationConfig, ensure_split
+first = ensure_split("train", GenerationConfig(train=2, workers=1))
+extra = ensure_split("train", GenerationConfig(train=6, workers=2))
+assert extra[:2] == first, (first, extra)
+print("games", len(extra))
+"""
+
+
+def test_extra_games_on_a_fresh_cache_with_two_workers_do_not_deadlock(tmp_path: Path) -> None:
+    script = tmp_path / "user_script.py"
+    script.write_text(_USER_SCRIPT)
+    env = {**os.environ, "STREAMRL_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # so that a hang is cleaned up with every worker
+    )
+    try:
+        out, err = proc.communicate(timeout=240)  # ~15 s on a loaded 2-core machine
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("generating 4 extra games with 2 workers on a fresh cache hung (issue 14)")
+    assert proc.returncode == 0, err
+    assert out.split() == ["games", "6"]
+    split_root = tmp_path / "cache" / "alfworld" / f"gen-v{gen.GENERATOR_VERSION}" / "train"
+    manifest = json.loads((split_root / "manifest.json").read_text())
+    assert len(manifest["task_ids"]) == 6
+    assert sorted(p.name for p in split_root.iterdir() if p.name != "manifest.json") == sorted(
+        t.split("/")[2] for t in manifest["task_ids"]
+    )  # only finished game folders, no temporary ones
+    # The games the workers wrote are the games this process generates.
+    task_id, game, _ = gen.generate_game("train", 5)
+    assert json.loads((split_root / task_id.split("/")[2] / "game.tw-pddl").read_text()) == game
 
 
 def test_alfworlds_own_env_reads_the_generated_games(split_files: dict[str, list[Path]]) -> None:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from streamrl.algorithms.losses import (
     AggMode,
     LossAggregation,
+    PolicyLoss,
     aggregate_loss,
     clipped_value_loss,
     dis_policy_loss,
@@ -104,6 +105,23 @@ def test_ppo_policy_loss_diagnostics() -> None:
         "actor/clip_frac",
         "actor/entropy",
     }
+
+
+def test_unclipped_policy_loss_has_the_kl_diagnostics_of_ppo_and_no_clipping() -> None:
+    """``PolicyLoss.unclipped`` (REINFORCE, a user's loss): the same KL estimates as PPO's on the same
+    tokens, every clip fraction 0 even where PPO would clip."""
+    ratios = t([[5.0, 0.5, 5.0, 1.0]])
+    mask = t([[1.0, 1.0, 1.0, 0.0]])
+    loss = aggregate_loss(-ratios.log(), mask)
+    out = PolicyLoss.unclipped(loss, ratios.log(), torch.zeros_like(ratios), mask)
+    ppo = ppo_policy_loss(ratios.log(), torch.zeros_like(ratios), t([[1.0, -1.0, -1.0, 1.0]]), mask)
+    assert out.loss is loss and out.num_tokens == 3
+    assert float(out.ppo_kl) == pytest.approx(float(ppo.ppo_kl))
+    assert float(out.approx_kl) == pytest.approx(float(ppo.approx_kl))
+    assert float(ppo.clip_frac) > 0 and float(out.clip_frac) == float(out.clip_frac_dual) == 0.0
+    assert out.entropy is None and float(out.masked_frac) == 0.0
+    with pytest.raises(ValueError, match="behaviour_logp has shape"):
+        PolicyLoss.unclipped(loss, ratios.log(), torch.zeros(1, 3, dtype=F64), mask)
 
 
 def test_entropy_from_logits_matches_the_definition() -> None:

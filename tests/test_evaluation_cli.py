@@ -217,8 +217,8 @@ def test_demo_plays_through_the_real_sandbox(capsys: pytest.CaptureFixture[str])
         main(["demo", "--episodes", "0"])
     assert "episodes must be >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["train"])
-    assert "invalid choice: 'train'" in capsys.readouterr().err
+        main(["fly"])
+    assert "invalid choice: 'fly'" in capsys.readouterr().err
 
 
 @pytest.mark.alfworld

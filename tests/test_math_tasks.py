@@ -166,6 +166,37 @@ def test_different_answers(pred: str, gold: str) -> None:
     assert not answers_equal(pred, gold)
 
 
+def test_numbers_beyond_float_range_and_the_int_string_limit_are_judged_without_raising() -> None:
+    # Once: OverflowError (float of a rational beyond 1e308) and ValueError (Python's 4,300-digit limit).
+    assert not answers_equal("1e400", "5")
+    assert not answers_equal("2e400", "1e400")
+    assert answers_equal("1e400", "10e399")
+    assert not answers_equal("7" * 5000, "5")
+    assert not answers_equal("-" + "9" * 4500 + ".5", "5")
+    assert not answers_equal("1" * 4000, "2" + "1" * 3999)
+    assert answers_equal("1" * 4000, "1" * 3999 + "2")  # within the relative tolerance
+    assert answers_equal("1" * 4000, "1" * 4000 + ".0")
+    assert parse_number("7" * 5000) is None
+
+
+def test_symbolic_checks_are_killed_at_the_deadline() -> None:
+    import time
+
+    from streamrl.envs.math_answer import grading_sandbox
+    from streamrl.envs.sandbox import acquire_shared_pool, release_shared_pool
+
+    pool = acquire_shared_pool(grading_sandbox(1.0))
+    try:
+        assert answers_equal("\\sqrt{16}", "4", timeout_s=1.0, pool=pool)  # starts the checker's process
+        for hostile in ("2^{2^{64}}", "(10**7)!"):
+            start = time.monotonic()
+            assert not answers_equal(hostile, "4", timeout_s=1.0, pool=pool)
+            assert time.monotonic() - start < 1.0 + 3.0, hostile
+        assert answers_equal("2^{2}", "4", timeout_s=1.0, pool=pool)  # the process is replaced after a kill
+    finally:
+        release_shared_pool(pool)
+
+
 def test_answer_checking_works_off_the_main_thread() -> None:
     import threading
 

@@ -3,6 +3,7 @@ hostile code through the env, and the scripted solver on the whole test split.""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import warnings
@@ -11,7 +12,10 @@ import gymnasium as gym
 import psutil
 import pytest
 from gymnasium.utils.env_checker import check_env
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from streamrl.agents.math_solver import MathSolverAgent, read_tool_output
+from streamrl.agents.prompts import MathTIRPrompt
 from streamrl.agents.rollout import play_episode
 from streamrl.envs.math_tir import CHARSET, MathTIRConfig, MathTIREnv, parse_turn
 from streamrl.envs.sandbox import SandboxConfig
@@ -182,6 +186,132 @@ def test_hostile_code_through_the_env(env: MathTIREnv, src: str, needle: str) ->
     obs, *_ = env.step(code(src))
     assert needle in obs and env.observation_space.contains(obs)
     assert env.step(code("print(6 * 7)"))[0] == f"{FENCE}output\n42\n{FENCE}"
+
+
+# Final answers a policy can write that once hung or crashed a step (issue 12): power towers that sympy
+# evaluates holding the GIL, huge factorials, literals beyond float range or Python's int-string limit, deep
+# nesting, unbalanced braces -- next to answers that are right and must stay right. The task's answer is 4.
+# Expected reward, or None for an action the env refuses (the episode goes on).
+HOSTILE_ANSWERS: list[tuple[str, float | None]] = [
+    ("\\boxed{2^{2^{64}}}", 0.0),
+    ("\\boxed{2^{10^{20}}}", 0.0),
+    ("\\boxed{9^{9^{9^{9}}}}", 0.0),
+    ("\\boxed{2**2**2**2**2**2}", 0.0),
+    ("\\boxed{x^{x^{x}}}", 0.0),
+    ("\\boxed{(10**7)!}", 0.0),
+    ("\\boxed{(10^{7})!}", 0.0),
+    ("\\boxed{\\Gamma(10^{9})}", 0.0),
+    ("\\boxed{" + "7" * 5000 + "}", 0.0),
+    ("\\boxed{-" + "9" * 4500 + ".5}", 0.0),
+    ("\\boxed{1e400}", 0.0),
+    ("\\boxed{4e-400}", 0.0),
+    ("\\boxed{" + "(" * 140 + "5" + ")" * 140 + "}", 0.0),
+    ("\\boxed{" + "\\frac{1}{" * 20 + "5" + "}" * 20 + "}", 0.0),
+    ("\\boxed{" + "\\sqrt{" * 400 + "5" + "}" * 400 + "}", 0.0),
+    ("\\boxed{" + "{" * 3000 + "4" + "}" * 3000 + "}", 0.0),
+    ("\\boxed{\\frac{1}{0}}", 0.0),
+    ("\\boxed{" + "{" * 1000, None),
+    ("\\boxed{{4}", None),
+    ("\\boxed{}", None),
+    ("\\boxed{4}}}}}", 1.0),
+    ("\\boxed{2^{2}}", 1.0),
+    ("\\boxed{\\frac{8!}{7!}-4}", 1.0),
+    ("\\boxed{\\sqrt{16}}", 1.0),
+    ("\\boxed{4.0000000001}", 1.0),
+]
+
+_HOSTILE_SCRIPT = """
+import json, sys, time
+from streamrl.envs.math_tir import MathTIREnv
+
+env = MathTIREnv(tasks=[("What is 2 + 2?", "4")], answer_timeout_s=2.0)
+env.reset()
+env.step("\\\\boxed{\\\\sqrt{16}}")  # starts the answer checker's process
+for text in json.load(sys.stdin):
+    env.reset()
+    start = time.monotonic()
+    try:
+        _, reward, terminated, _, info = env.step(text)
+        row = {"reward": reward, "terminated": terminated, "valid": info["action_valid"]}
+    except Exception as e:
+        row = {"error": repr(e)[:300]}
+    row["seconds"] = time.monotonic() - start
+    print(json.dumps(row), flush=True)
+env.close()
+"""
+
+
+def test_hostile_final_answers_return_in_seconds_and_never_raise() -> None:
+    # In a child process: a step that hangs while holding the GIL cannot be interrupted from this one.
+    texts = [text for text, _ in HOSTILE_ANSWERS]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOSTILE_SCRIPT],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = proc.communicate(json.dumps(texts), timeout=60 + 6 * len(texts))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    rows = [json.loads(line) for line in out.splitlines()]
+    if len(rows) < len(texts):
+        pytest.fail(f"step({texts[len(rows)][:60]!r}...) did not return; stderr:\n{err[-2000:]}")
+    for (text, expected), row in zip(HOSTILE_ANSWERS, rows, strict=True):
+        shown = text if len(text) < 60 else f"{text[:40]}...({len(text)} chars)"
+        assert "error" not in row, (shown, row)
+        assert row["seconds"] < 2.0 + 4.0, (shown, row)  # the checker's deadline + process overhead
+        if expected is None:
+            assert not row["valid"] and not row["terminated"], (shown, row)
+        else:
+            assert row["valid"] and row["terminated"] and row["reward"] == expected, (shown, row)
+
+
+# Turns a policy may write; the agent's parser must accept exactly what the env accepts.
+TURNS = [
+    f"{FENCE}py\nprint(1)\n{FENCE}",
+    f"{FENCE}python\nprint(1)\n{FENCE}",
+    f"{FENCE}python  \r\nprint(1)\n{FENCE}",
+    f"{FENCE}pyth\nprint(1)\n{FENCE}",
+    f"{FENCE} python\nprint(1)\n{FENCE}",
+    f"{FENCE}python\nprint(1)",
+    f"{FENCE}python print(1){FENCE}",
+    f"{FENCE}python\nprint(1)\n{FENCE}\n{FENCE}output\n1\n{FENCE}\nso \\boxed{{1}}",
+    f"{FENCE}python\nprint('\\\\boxed{{1}}')\n{FENCE}",
+    "\\boxed 5",
+    "\\boxed{5}",
+    "\\fbox{5}",
+    "\\boxed{}",
+    "\\boxed{",
+    "\\boxed{5",
+    "\\boxed{{5}",
+    "\\boxed{5}}",
+    "The answer is 5.",
+    f"{FENCE}output\n5\n{FENCE}",
+    "",
+    "   ",
+]
+
+
+@pytest.mark.parametrize("text", TURNS)
+def test_the_agent_accepts_what_the_env_accepts(env: MathTIREnv, text: str) -> None:
+    parsed = MathTIRPrompt().parse_action(text, {})
+    env.reset(seed=7)
+    *_, info = env.step(parsed.action)
+    assert parsed.valid == info["action_valid"], (text, parsed)
+
+
+_PIECES = [FENCE, "python", "py", "output", "\n", " ", "\\boxed", "\\fbox", "{", "}", "5"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES)))
+def test_the_agent_uses_the_envs_grammar(pieces: list[str]) -> None:
+    parsed = MathTIRPrompt().parse_action("".join(pieces), {})
+    turn = parse_turn(parsed.action)
+    assert parsed.valid == (turn.answer is not None or turn.code is not None)
 
 
 def test_charset_covers_every_question() -> None:

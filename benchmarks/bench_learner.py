@@ -1,0 +1,172 @@
+"""Learner throughput: tokens/s of ``Learner.update`` against the micro-batch size, full fine-tuning and LoRA.
+
+    python benchmarks/bench_learner.py [--model tiny] [--episodes 64] [--micro 1024 4096 16384 65536]
+                                       [--repeats 1] [--out benchmarks/results/learner.json]
+
+The batch is real: ``--episodes`` Math-TIR training episodes played once by the model through the runtime
+(``Rollouts`` / ``collect`` on a streaming vector env, the env spec's prompt, context policy and generation
+budget, temperature 1), as the trainer plays them. Each setting then times one SPO++ update on that batch
+(old log-probs recomputed, forward + backward in micro-batches of at most ``micro_batch_tokens`` padded
+tokens sorted by length, one AdamW step) with a fresh learner from the same weights (one untimed warm-up
+update on a few episodes first, per process); best of ``--repeats``. tokens/s counts the tokens of the batch's rows (not the padding), as the
+trainer's ``learner/learner_tokens_per_s`` does; the padded tokens and micro-batches per update are recorded
+beside it. Advantages alternate +1 / -1 by episode, so every setting does the same work whatever the
+rewards. CPU, 1 torch thread (docs/platform.md §3), the load average recorded: the machine may be shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from streamrl.agents.base import GenerationBackend
+from streamrl.agents.env_specs import env_spec, make_env, task_ids_of
+from streamrl.agents.models import load_model, resolve_model
+from streamrl.algorithms.base import Algorithm, Episode, make_algorithm
+from streamrl.algorithms.learner import Learner, LearnerConfig
+from streamrl.algorithms.runtime import Job, Rollouts, collect
+from streamrl.algorithms.tracker import Ticket
+from streamrl.envs.vector import StreamingVectorEnv, VectorEnvConfig
+
+HERE = Path(__file__).resolve().parent
+
+
+def play_batch(
+    backend: GenerationBackend, episodes: int, *, env: str = "math_tir", seed: int = 0, num_envs: int = 16
+) -> list[Episode]:
+    """``episodes`` training episodes of ``env`` played by ``backend`` through the runtime, one per task (in
+    the split's order), as ``Episode`` s with version-0 tickets (baseline 0.5) ready for ``Learner.update``."""
+    spec = env_spec(env)
+    probe = make_env(env, spec.train_split)
+    task_ids = task_ids_of(probe, env)[:episodes]
+    probe.close()
+    venv = StreamingVectorEnv.from_env(
+        spec.gym_id,
+        min(num_envs, episodes),
+        config=VectorEnvConfig(backend="inprocess"),
+        split=spec.train_split,
+        **dict(spec.env_kwargs),
+    )
+    agent = spec.llm_agent(backend)  # temperature 1, the spec's budget; seeded by the backend's generator
+    jobs = [Job(t, i, Ticket(t, 0, 0.5, i, 0.0)) for i, t in enumerate(task_ids)]
+    try:
+        done = collect(Rollouts(venv, agent, seed=seed), jobs)
+    finally:
+        venv.close()
+    return [Episode(item.trajectory, item.job.ticket) for item in done]
+
+
+def alternating_advantages(episodes: list[Episode]) -> list[float | torch.Tensor]:
+    """+1, -1, +1, ...: a gradient on every token whatever the rewards (a throughput or numerics check)."""
+    return [1.0 if i % 2 == 0 else -1.0 for i in range(len(episodes))]
+
+
+def batch_shape(episodes: list[Episode]) -> dict[str, Any]:
+    rows = [len(s) for e in episodes for s in e.trajectory.sequences if s.num_action_tokens]
+    return {
+        "episodes": len(episodes),
+        "rows": len(rows),
+        "tokens": sum(rows),
+        "action_tokens": sum(e.num_action_tokens for e in episodes),
+        "row_length_min_mean_max": [min(rows), round(sum(rows) / len(rows), 1), max(rows)],
+        "turns_mean": round(sum(len(e.trajectory.turns) for e in episodes) / len(episodes), 2),
+        "success": sum(e.trajectory.won for e in episodes) / len(episodes),
+    }
+
+
+def time_update(
+    model_dir: Path,
+    pad_token_id: int,
+    episodes: list[Episode],
+    algorithm: Algorithm,
+    config: LearnerConfig,
+    repeats: int,
+) -> dict[str, Any]:
+    """Best-of-``repeats`` seconds of one update, each with a fresh learner from the same weights."""
+    advantages = alternating_advantages(episodes)
+    runs = []
+    for _ in range(repeats):
+        torch.manual_seed(0)
+        learner = Learner(load_model(model_dir), config, pad_token_id=pad_token_id, total_steps=10)
+        runs.append(learner.update(episodes, advantages, algorithm))
+    best = min(runs, key=lambda m: m["learner_seconds"])
+    # the learner's own grouping (private helpers: what the update actually ran), for the padding it costs
+    rows = learner._rows([e.trajectory for e in episodes])
+    chunks = learner._micro_batches(rows)
+    padded = sum(len(c) * max(len(rows[i].sequence) for i in c) for c in chunks)
+    tokens = sum(len(r.sequence) for r in rows)
+    return {
+        "finetune": learner.finetune,
+        "trainable_params": sum(p.numel() for p in learner.params),
+        "micro_batch_tokens": config.micro_batch_tokens,
+        "micro_batches": len(chunks),
+        "padded_tokens": padded,
+        "padding_fraction": round(1 - tokens / padded, 4),
+        "seconds": round(best["learner_seconds"], 3),
+        "tokens_per_s": round(best["learner_tokens_per_s"], 1),
+        "seconds_all": [round(m["learner_seconds"], 3) for m in runs],
+        "loss_finite": all(torch.isfinite(torch.tensor(m["loss"])).item() for m in runs),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny", help="registry name or local HF directory")
+    parser.add_argument("--episodes", type=int, default=64)
+    parser.add_argument("--micro", nargs="+", type=int, default=[1024, 4096, 16384, 65536])
+    parser.add_argument("--finetune", nargs="+", default=["full", "lora"], choices=["full", "lora"])
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "learner.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
+
+    load_before = os.getloadavg()[0]
+    model_dir = resolve_model(args.model)
+    backend = HFBackend(model_dir, config=HFBackendConfig(device="cpu", seed=0))
+    started = time.perf_counter()
+    episodes = play_batch(backend, args.episodes)
+    generation_s = time.perf_counter() - started
+    pad = int(backend.tokenizer.pad_token_id)
+    backend.close()
+    shape = batch_shape(episodes)
+    print(f"batch: {json.dumps(shape)} (played in {generation_s:.1f} s)", flush=True)
+    algorithm = make_algorithm("spo++")
+    time_update(model_dir, pad, episodes[:4], algorithm, LearnerConfig(device="cpu"), 1)  # warm-up
+    results = []
+    for finetune in args.finetune:
+        for micro in args.micro:
+            config = LearnerConfig(finetune=finetune, micro_batch_tokens=micro, device="cpu")
+            row = time_update(model_dir, pad, episodes, algorithm, config, args.repeats)
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    report = {
+        "benchmark": "Learner.update tokens/s against micro_batch_tokens (SPO++ loss, one AdamW step)",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "model": args.model,
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+        "load_avg_1m_before_after": [load_before, os.getloadavg()[0]],
+        "batch": {**shape, "env": "math_tir", "generation_s": round(generation_s, 1)},
+        "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
