@@ -105,7 +105,16 @@ class LatencyBackend:
             raise AttributeError("this LatencyBackend has no scorer with a .model to load weights into")
         return model
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seeds: Sequence[int] | None = None,
+    ) -> list[Generation]:
+        """Sleep for the call, then return the filler tokens for every prompt (``seeds`` are checked for
+        length and otherwise unused: nothing is sampled)."""
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         if not prompts:
             return []
         n = min(self.config.tokens_per_turn, params.max_new_tokens)

@@ -13,7 +13,8 @@ measures the scheduler, not a game engine:
   ``task_seed``, uniform in ``success_range``), else 0.0; ``terminated`` is set either way.
 
 Actions are free text; an empty (whitespace) action is invalid (``info["action_valid"] = False``) but still
-takes its turn. ``info`` carries the project's keys ``task_id``, ``won``, ``action_valid``, plus ``turn``.
+takes its turn. A ``TextEnv`` (``streamrl.envs.base``): ``info`` carries ``task_id``, ``won``, ``action_valid``,
+plus ``turn``.
 The agents-side half (a latency generation backend, the prompt format and the env spec for the trainer) is
 ``streamrl.agents.latency``; ``benchmarks/bench_runtime.py`` uses both.
 
@@ -31,9 +32,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
+from streamrl.envs.base import TextEnv
 
 __all__ = ["ALFWORLD_TURNS", "SPLITS", "LatencyEnv", "turn_distribution"]
 
@@ -121,7 +122,7 @@ def _unit(*parts: object) -> float:
     return int.from_bytes(digest, "little") / 2**64
 
 
-class LatencyEnv(gym.Env[str, str]):
+class LatencyEnv(TextEnv):
     """Episodes of random length that take a set time per step (see the module doc).
 
     Args:
@@ -134,8 +135,6 @@ class LatencyEnv(gym.Env[str, str]):
         success_range: ``(low, high)``: each task's success probability is uniform in it (per ``task_seed``).
         task_seed: seeds the tasks' success probabilities.
     """
-
-    metadata = {"render_modes": []}  # noqa: RUF012 (gymnasium declares it as a plain attribute)
 
     def __init__(
         self,
@@ -158,81 +157,65 @@ class LatencyEnv(gym.Env[str, str]):
         low, high = success_range
         if not 0.0 <= low <= high <= 1.0:
             raise ValueError(f"success_range must satisfy 0 <= low <= high <= 1, got {success_range}")
-        if turns is None and not ALFWORLD_TURNS:
-            raise ValueError("ALFWORLD_TURNS is empty; pass turns=...")
+        super().__init__([f"latency/{split}/{i:04d}" for i in range(num_tasks)])
         self.split = split
-        self.values, self.probabilities = turn_distribution(turns if turns is not None else ALFWORLD_TURNS)
+        self.values, self.probabilities = turn_distribution(ALFWORLD_TURNS if turns is None else turns)
         self.step_latency_s, self.reset_latency_s = float(step_latency_s), float(reset_latency_s)
         self.success_range, self.task_seed = (float(low), float(high)), task_seed
-        self._task_ids = [f"latency/{split}/{i:04d}" for i in range(num_tasks)]
-        self._known = frozenset(self._task_ids)
         self.observation_space = spaces.Text(1024, min_length=0, charset=string.printable)
         self.action_space = spaces.Text(4096, min_length=0, charset=string.printable)
-        self._task_id: str | None = None
+        self._current = ""
         self._turns = 0
         self._turn = 0
         self._won = False
-        self._done = True
-
-    @property
-    def task_ids(self) -> list[str]:
-        """The stable ids of the tasks this env can play, in split order."""
-        return list(self._task_ids)
 
     def success_probability(self, task_id: str) -> float:
         """The probability that an episode of ``task_id`` ends with reward 1."""
         low, high = self.success_range
         return low + (high - low) * _unit("success", self.task_seed, task_id)
 
-    def reset(
-        self, *, seed: int | None = None, options: dict[str, Any] | None = None
-    ) -> tuple[str, dict[str, Any]]:
-        super().reset(seed=seed)
-        options = dict(options or {})
-        unknown = sorted(set(options) - {"task_id"})
-        if unknown:
-            raise ValueError(f"unknown reset option(s) {unknown}; valid: ['task_id']")
-        task_id = options.get("task_id")
-        if task_id is None:
-            task_id = self._task_ids[int(self.np_random.integers(len(self._task_ids)))]
-        elif task_id not in self._known:
-            raise ValueError(
-                f"unknown task_id {task_id!r} for this env ({len(self._task_ids)} tasks, e.g. "
-                f"{self._task_ids[:3]}); see env.unwrapped.task_ids"
-            )
-        # The episode's draws depend on the task and the reset seed only (an unseeded reset draws a seed from
-        # the env's generator), so a seeded run replays the same lengths and outcomes in any order.
-        episode_seed = seed if seed is not None else int(self.np_random.integers(2**31))
-        rng = np.random.default_rng([int(_unit("episode", task_id) * 2**32), episode_seed & 0xFFFFFFFF])
+    def _describe_tasks(self) -> str:
+        return f"split={self.split!r}"
+
+    def _reset_task(self, task_id: str) -> tuple[str, dict[str, Any]]:
+        # The episode's draws depend on the task and the reset seed only (np_random was just seeded by it; an
+        # unseeded reset goes on with the env's generator), so a seeded run replays the same lengths and
+        # outcomes whatever the order in which its episodes run.
+        episode_seed = int(self.np_random.integers(2**32))
+        rng = np.random.default_rng([int(_unit("episode", task_id) * 2**32), episode_seed])
         self._turns = int(rng.choice(self.values, p=self.probabilities))
         self._won = bool(rng.random() < self.success_probability(task_id))
-        self._task_id, self._turn, self._done = task_id, 0, False
+        self._current, self._turn = task_id, 0
         if self.reset_latency_s:
             time.sleep(self.reset_latency_s)
-        return self._observation(), self._info(action_valid=True)
+        return self._observation(done=False), self._info(done=False, action_valid=True)
 
-    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        if self._task_id is None or self._done:
-            raise RuntimeError("call reset() before step() (the episode has not started or has ended)")
+    def _step_task(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if not isinstance(action, str):
             raise TypeError(f"action must be a str, got {type(action).__name__}: {action!r}")
         if self.step_latency_s:
             time.sleep(self.step_latency_s)
         self._turn += 1
-        self._done = self._turn >= self._turns
-        reward = 1.0 if self._done and self._won else 0.0
-        return self._observation(), reward, self._done, False, self._info(action_valid=bool(action.strip()))
+        done = self._turn >= self._turns
+        reward = 1.0 if done and self._won else 0.0
+        return (
+            self._observation(done),
+            reward,
+            done,
+            False,
+            self._info(done, action_valid=bool(action.strip())),
+        )
 
-    def _observation(self) -> str:
+    def _observation(self, done: bool) -> str:
         # Short: every observation token costs the learner a forward and a backward pass.
-        if self._done:
+        if done:
             return "Success." if self._won else "Failure."
-        return f"Task {self._task_id}." if self._turn == 0 else f"Turn {self._turn + 1}."
+        return f"Task {self._current}." if self._turn == 0 else f"Turn {self._turn + 1}."
 
-    def _info(self, action_valid: bool) -> dict[str, Any]:
+    def _info(self, done: bool, action_valid: bool) -> dict[str, Any]:
         return {
-            "task_id": self._task_id,
-            "won": self._done and self._won,
+            "task_id": self._current,
+            "won": done and self._won,
             "action_valid": action_valid,
             "turn": self._turn,
         }
