@@ -20,7 +20,12 @@ Arms:
 * ``spo++``: SPO++ as published -- batches of the first completed episodes *within the current version*;
   old-version episodes still in flight at a publication are drained (filed in the tracker, not trained);
 * ``spo++-any``: SPO++ with ``batch_rule="any"``: first completed within the staleness bound, nothing drained
-  (the runtime's own throughput; SPO's batch rule).
+  (the runtime's own throughput; SPO's batch rule);
+* ``spo++-b32``: SPO++ as published with B = 32 on the same 8 slots: the drained share falls as B / num_envs
+  grows (each publication drains about one episode per slot).
+
+The asynchronous arms use ``max_staleness=2`` and, on the latency setup, ``overlap=True``; on ALFWorld the
+HF backend alternates with the learner (its default) unless the arm's name ends in ``-overlap``.
 
 Reported per arm over the updates after ``--warmup``: trained and generated trajectories/s, the rollout
 slots' utilization (time-averaged fraction of the slots holding a running episode, ``Rollouts``' slot
@@ -34,7 +39,7 @@ bound bounds).
 Usage::
 
     python benchmarks/bench_runtime.py                    # both setups -> benchmarks/results/runtime.json
-    python benchmarks/bench_runtime.py --setups latency --updates 4 --warmup 1   # a quick look
+    python benchmarks/bench_runtime.py --setups latency --trajectories 32 --warmup 8 --arms grpo-sync spo++-any
     python benchmarks/bench_runtime.py --measure-turns    # re-measure ALFWorld's turn distribution (~6 min)
 """
 
@@ -80,6 +85,7 @@ ARMS = {
     "grpo-sync": Arm("grpo-sync", "grpo", 0, GROUP, False, {"group_size": GROUP}),
     "spo++": Arm("spo++", "spo++", 2, GROUP, True),
     "spo++-any": Arm("spo++-any", "spo++", 2, GROUP, True, {"batch_rule": "any"}),
+    "spo++-b32": Arm("spo++-b32", "spo++", 2, 4 * GROUP, True),
 }
 
 
@@ -273,6 +279,8 @@ def run_latency(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     for seed in range(args.seeds):
         arms = []
         for name in args.arms:
+            arm = ARMS[name]
+            warmup = -(-args.warmup // arm.batch)
             backend = LatencyBackend(
                 LatencyBackendConfig(
                     token_latency_s=setup.token_latency_s, tokens_per_turn=setup.tokens_per_turn
@@ -281,12 +289,12 @@ def run_latency(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             )
             arms.append(
                 run_arm(
-                    ARMS[name],
+                    arm,
                     env="latency-bench",
                     init="base",
                     num_envs=setup.num_envs,
-                    updates=args.updates,
-                    warmup=args.warmup,
+                    updates=warmup + args.trajectories // arm.batch,
+                    warmup=warmup,
                     seed=seed,
                     backend=backend,
                     out=root / f"latency-{name}-{seed}",
@@ -401,13 +409,13 @@ def main() -> None:
         "--setups", nargs="+", default=["latency", "alfworld"], choices=["latency", "alfworld"]
     )
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    parser.add_argument("--updates", type=int, default=12, help="updates per latency arm (B = 8 each)")
-    parser.add_argument("--warmup", type=int, default=2, help="latency updates left out of the measurement")
+    parser.add_argument("--trajectories", type=int, default=96, help="trained trajectories measured per arm")
+    parser.add_argument("--warmup", type=int, default=16, help="trained trajectories before the measurement")
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument(
         "--alfworld-arms",
         nargs="+",
-        default=["grpo-sync", "spo++", "spo++-any", "spo++-any-overlap"],
+        default=["grpo-sync", "spo++", "spo++-any-overlap"],
         choices=[*ARMS, "spo++-overlap", "spo++-any-overlap"],
     )
     parser.add_argument("--alfworld-updates", type=int, default=3)
@@ -421,8 +429,10 @@ def main() -> None:
         measured = measure_turns()
         print(json.dumps({"turns": measured, "same_as_ALFWORLD_TURNS": measured == dict(ALFWORLD_TURNS)}))
         return
-    if not 0 <= args.warmup < args.updates or not 0 <= args.alfworld_warmup < args.alfworld_updates:
-        parser.error("warm-up updates must be fewer than updates")
+    if any(args.trajectories % ARMS[a].batch for a in args.arms) or args.warmup < 0:
+        parser.error(f"--trajectories must be a multiple of every arm's batch, got {args.trajectories}")
+    if not 0 <= args.alfworld_warmup < args.alfworld_updates:
+        parser.error("--alfworld-warmup must be fewer than --alfworld-updates")
     report: dict[str, Any] = {
         "benchmark": "async single-stream runtime (SPO++) vs synchronous groups (GRPO, G = 8)",
         "command": " ".join(["python", *sys.argv]),
