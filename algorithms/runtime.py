@@ -89,6 +89,9 @@ class Rollouts:
         """Action tokens generated so far, finished or not."""
         self._slot_seconds = 0.0
         self._slots_since = time.perf_counter()
+        self.batch_window = True
+        """Wait briefly for the env steps in flight before generating (module doc); ``False``: generate for
+        whatever is ready (an ablation)."""
         self._step_seconds = 0.0  # running averages (batch window, module doc)
         self._call_seconds = 0.0
 
@@ -146,7 +149,7 @@ class Rollouts:
         wait_for = self.venv.num_pending if self.lockstep else 1
         results = self.venv.recv(timeout=timeout, min_ready=wait_for)
         window = min(self._call_seconds, 2.0 * self._step_seconds)
-        if results and window > 0 and self.venv.num_pending:
+        if self.batch_window and results and window > 0 and self.venv.num_pending:
             results += self.venv.recv(timeout=window, min_ready=self.venv.num_pending)
         finished: list[Finished] = []
         to_act: list[tuple[_Running, EnvResult]] = []

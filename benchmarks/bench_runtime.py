@@ -22,7 +22,8 @@ Arms:
 * ``spo++-any``: SPO++ with ``batch_rule="any"``: first completed within the staleness bound, nothing drained
   (the runtime's own throughput; SPO's batch rule);
 * ``spo++-b32``: SPO++ as published with B = 32 on the same 8 slots: the drained share falls as B / num_envs
-  grows (each publication drains about one episode per slot).
+  grows (each publication drains about one episode per slot);
+* ``spo++-any-nowindow``: ``spo++-any`` without ``Rollouts``' batch window (an ablation; not run by default).
 
 The asynchronous arms use ``max_staleness=2`` and, on the latency setup, ``overlap=True``; on ALFWorld the
 HF backend alternates with the learner (its default) unless the arm's name ends in ``-overlap``.
@@ -79,6 +80,7 @@ class Arm:
     batch: int
     overlap: bool
     algorithm: Mapping[str, Any] = field(default_factory=dict)
+    batch_window: bool = True
 
 
 ARMS = {
@@ -86,6 +88,7 @@ ARMS = {
     "spo++": Arm("spo++", "spo++", 2, GROUP, True),
     "spo++-any": Arm("spo++-any", "spo++", 2, GROUP, True, {"batch_rule": "any"}),
     "spo++-b32": Arm("spo++-b32", "spo++", 2, 4 * GROUP, True),
+    "spo++-any-nowindow": Arm("spo++-any-nowindow", "spo++", 2, GROUP, True, {"batch_rule": "any"}, False),
 }
 
 
@@ -176,6 +179,7 @@ def run_arm(
     )
     started = time.perf_counter()
     trainer = Trainer(config, backend=backend, on_update=on_update, progress=False, log=lambda s: None)
+    trainer.rollouts.batch_window = arm.batch_window
     build_s = time.perf_counter() - started
     trainer.run()
     ended = time.perf_counter()
@@ -200,6 +204,7 @@ def run_arm(
         "max_staleness": arm.max_staleness,
         "batch": arm.batch,
         "overlap": arm.overlap,
+        "batch_window": arm.batch_window,
         "updates": updates,
         "warmup_updates": warmup,
         "measured": {
@@ -240,8 +245,10 @@ def run_arm(
 
 
 def compare(arms: list[dict[str, Any]], bound: float) -> None:
-    """Add each arm's speed-ups over ``grpo-sync`` and their ratio to the straggler bound."""
-    sync = next(a for a in arms if a["arm"] == "grpo-sync")
+    """Add each arm's speed-ups over ``grpo-sync`` (when it ran) and their ratio to the straggler bound."""
+    sync = next((a for a in arms if a["arm"] == "grpo-sync"), None)
+    if sync is None:
+        return
     for a in arms:
         a["speedup"] = a["trajectories_per_s"] / sync["trajectories_per_s"]
         a["speedup_rollout"] = a["trajectories_per_rollout_s"] / sync["trajectories_per_rollout_s"]
@@ -359,6 +366,8 @@ def run_alfworld(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
 
 def _summary(seeds: list[dict[str, Any]]) -> dict[str, Any]:
+    if "speedup" not in seeds[0]["arms"][0]:
+        return {}
     keys = (
         "trajectories_per_s",
         "slot_utilization",
@@ -408,7 +417,9 @@ def main() -> None:
     parser.add_argument(
         "--setups", nargs="+", default=["latency", "alfworld"], choices=["latency", "alfworld"]
     )
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument(
+        "--arms", nargs="+", default=[a for a in ARMS if a != "spo++-any-nowindow"], choices=list(ARMS)
+    )
     parser.add_argument("--trajectories", type=int, default=96, help="trained trajectories measured per arm")
     parser.add_argument("--warmup", type=int, default=16, help="trained trajectories before the measurement")
     parser.add_argument("--seeds", type=int, default=1)
