@@ -20,13 +20,14 @@ backend generates only (``score`` raises).
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from streamrl.agents.base import Generation, GenerationBackend, SamplingParams
+from streamrl.agents.base import Generation, GenerationBackend, SamplingParams, request_seeds
 from streamrl.agents.env_specs import EnvSpec
 from streamrl.agents.llm_agent import ContextPolicy
 from streamrl.agents.prompts import ParsedAction
@@ -85,6 +86,7 @@ class LatencyBackend:
         if not self._filler:
             raise ValueError(f"text {self.config.text!r} encodes to no ordinary token")
         self._lock = threading.Lock()
+        self._seeds = random.Random(0)
         self._version = 0
         self.calls = 0
         """Generation calls served."""
@@ -111,10 +113,9 @@ class LatencyBackend:
         params: SamplingParams,
         seeds: Sequence[int] | None = None,
     ) -> list[Generation]:
-        """Sleep for the call, then return the filler tokens for every prompt (``seeds`` are checked for
-        length and otherwise unused: nothing is sampled)."""
-        if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        """Sleep for the call, then return the filler tokens for every prompt (``seeds`` are checked as every
+        backend checks them, and otherwise unused: nothing is sampled)."""
+        request_seeds(len(prompts), params, self._seeds, seeds)
         if not prompts:
             return []
         n = min(self.config.tokens_per_turn, params.max_new_tokens)
