@@ -152,6 +152,9 @@ class Algorithm(ABC):
     name: ClassVar[str] = ""
     """Registry name (``make_algorithm(name)``, ``streamrl train --algo name``)."""
     config_class: ClassVar[type[AlgorithmConfig]] = AlgorithmConfig
+    min_batch: ClassVar[int] = 1
+    """The fewest trajectories an update batch may hold: 2 where advantages are standardized over the batch
+    (one trajectory has no spread); the trainer refuses a smaller ``batch`` before any work."""
 
     def __init__(self, config: AlgorithmConfig | None = None) -> None:
         config = config if config is not None else self.config_class()

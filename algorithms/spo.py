@@ -53,6 +53,7 @@ class SPOConfig(AlgorithmConfig):
 class SPO(Algorithm):
     name = "spo"
     config_class = SPOConfig
+    min_batch = 2  # trajectory whitening (Eq. 4)
     config: SPOConfig
 
     def __init__(self, config: SPOConfig | None = None) -> None:

@@ -80,6 +80,7 @@ class SPOPPConfig(AlgorithmConfig):
 class SPOPP(Algorithm):
     name = "spo++"
     config_class = SPOPPConfig
+    min_batch = 2  # standardized under the action-token measure (Eq. 6)
     config: SPOPPConfig
 
     def tracker_config(self, seed: int) -> TrackerConfig:

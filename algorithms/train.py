@@ -88,6 +88,9 @@ class TrainConfig:
     """Rollout sampling temperature (the learner scores under the same temperature)."""
     max_new_tokens: int | None = None
     """Tokens per turn; ``None`` = the env's default."""
+    env_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the env over its spec's (e.g. ``{"max_steps": 8}``: shorter ALFWorld episodes);
+    the training, offline-value and evaluation envs all get them."""
     eval_every: int = 10
     """Updates between held-out evaluations (0 = none); one runs before the first update and at the end."""
     eval_episodes: int = 64
@@ -99,8 +102,7 @@ class TrainConfig:
     checkpoint_every: int = 10
     """Updates between checkpoints (also on SIGINT/SIGTERM and at the end)."""
     keep_versions: int = 3
-    """Published policy versions kept on disk (at least max_staleness + 1); the version the last checkpoint
-    serves is kept too, for a resume."""
+    """Published policy versions kept on disk (at least max_staleness + 1)."""
     overlap: bool | None = None
     """Generate while the learner updates; ``None`` = only with an out-of-process backend (vLLM)."""
     env_workers: EnvWorkers = "subprocess"
@@ -116,6 +118,7 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["algorithm"] = dict(self.algorithm)
+        data["env_kwargs"] = dict(self.env_kwargs)
         return data
 
     @classmethod
@@ -123,7 +126,13 @@ class TrainConfig:
         valid = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - valid)
         if unknown:
-            raise ValueError(f"unknown train config key(s) {unknown}; valid: {sorted(valid)}")
+            why = ""
+            if {"top_p", "top_k"} & set(unknown):
+                why = (
+                    " (rollouts sample the full softmax at `temperature`: the learner scores that distribution, "
+                    "and a truncated one (top-p < 1, top-k) would make the importance ratio pi_old/pi_rollout wrong)"
+                )
+            raise ValueError(f"unknown train config key(s) {unknown}{why}; valid: {sorted(valid)}")
         values = dict(data)
         if isinstance(values.get("learner"), Mapping):
             learner = dict(values["learner"])
@@ -148,7 +157,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class Ledger:
-    """generated = trained + dropped_stale + dropped_group + failed + buffered (+ in flight for tokens)."""
+    """Closes in trajectories and in action tokens: dispatched = trained + dropped_stale + dropped_group + failed +
+    buffered + in flight, and generated_tokens = trained + dropped + failed + buffered + in-flight tokens."""
 
     dispatched: int = 0
     finished: int = 0
@@ -159,6 +169,9 @@ class Ledger:
     """Whole groups without reward variance (DAPO) or with too few members left."""
     failed: int = 0
     """Ended by an env worker failure (``info["error"]``): neither filed nor trained."""
+    generated_tokens: int = 0
+    """Counted as the backend generates them (``Rollouts.generated_tokens``), independently of the rest; the
+    tokens of episodes in flight at a checkpoint are not carried over (a resumed run plays them again)."""
     trained_tokens: int = 0
     dropped_tokens: int = 0
     failed_tokens: int = 0
@@ -166,20 +179,12 @@ class Ledger:
     def row(
         self, buffered: int, buffered_tokens: int, in_flight: int, in_flight_tokens: int
     ) -> dict[str, int]:
-        generated_tokens = (
-            self.trained_tokens
-            + self.dropped_tokens
-            + self.failed_tokens
-            + buffered_tokens
-            + in_flight_tokens
-        )
         return {
             **{f"ledger/{k}": v for k, v in asdict(self).items()},
             "ledger/buffered": buffered,
             "ledger/in_flight": in_flight,
             "ledger/buffered_tokens": buffered_tokens,
             "ledger/in_flight_tokens": in_flight_tokens,
-            "ledger/generated_tokens": generated_tokens,
         }
 
 
@@ -225,9 +230,13 @@ class Trainer:
         self._build()
         self._stop = threading.Event()
         self._resumed = False
+        self._checkpoint_version = 0
+        """The policy version the last checkpoint serves: kept on disk whatever ``keep_versions`` says."""
         if resume and (self.run_dir / "checkpoint" / "state.json").is_file():
             self._load_checkpoint()
             self._resumed = True
+        elif resume:  # killed before its first checkpoint: it starts over
+            self._truncate_metrics(-1)
 
     # -- validation -----------------------------------------------------------------------------------------
     @staticmethod
@@ -267,6 +276,12 @@ class Trainer:
             raise ConfigError(f"unknown backend {c.backend!r}; valid: 'hf', 'vllm'")
         if c.init not in ("sft", "base"):
             raise ConfigError(f"init must be 'sft' or 'base', got {c.init!r}")
+        from streamrl.agents.models import resolve_model
+
+        try:
+            resolve_model(c.model)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
         for name in ("updates", "batch", "num_envs", "threads", "keep_versions"):
             if getattr(c, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(c, name)}")
@@ -280,6 +295,11 @@ class Trainer:
         if c.temperature <= 0:
             raise ConfigError(
                 f"temperature must be > 0 for RL (the learner scores the sampling policy), got {c.temperature}"
+            )
+        if c.batch < self.algorithm.min_batch:
+            raise ConfigError(
+                f"batch={c.batch} is too small for {self.algorithm.name}: its advantages are standardized over "
+                f"the batch, which needs batch >= {self.algorithm.min_batch}"
             )
         g = self.algorithm.config.group_size
         if self.algorithm.config.batch_rule == "groups":
@@ -362,7 +382,10 @@ class Trainer:
             context=self.spec.context,
         )
 
-        probe_env = make_env(c.env, self.spec.train_split)
+        try:
+            probe_env = make_env(c.env, self.spec.train_split, **dict(c.env_kwargs))
+        except TypeError as exc:
+            raise ConfigError(f"env_kwargs={dict(c.env_kwargs)} do not fit the {c.env} env: {exc}") from exc
         task_ids = task_ids_of(probe_env, c.env)
         probe_env.close()
         if c.tasks is not None:
@@ -381,7 +404,7 @@ class Trainer:
         self.task_ids = task_ids
         self.tracker = EventTracker(task_ids, self.algorithm.tracker_config(derive_seed(c.seed, "tracker")))
         workers = VectorEnvConfig(backend=c.env_workers)
-        env_kwargs = dict(self.spec.env_kwargs)
+        env_kwargs = {**self.spec.env_kwargs, **c.env_kwargs}
         self.venv = StreamingVectorEnv.from_env(
             self.spec.gym_id, c.num_envs, config=workers, split=self.spec.train_split, **env_kwargs
         )
@@ -404,7 +427,6 @@ class Trainer:
         self.learner_busy = 0.0
         self.started = time.perf_counter()
         self._slots_at_row = (self.started, 0.0)  # (time, occupied slot-seconds) at the previous row
-        self._checkpoint_version: int | None = None  # the policy version the last checkpoint serves
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.probe = self._probe_sequence()
 
@@ -435,7 +457,7 @@ class Trainer:
 
         if not self.config.eval_episodes or not self.config.eval_every:
             return []
-        env = make_env(self.config.env, self.eval_split)
+        env = make_env(self.config.env, self.eval_split, **dict(self.config.env_kwargs))
         ids = task_ids_of(env, self.config.env)
         env.close()
         n = self.config.eval_episodes
@@ -453,7 +475,7 @@ class Trainer:
         """Train for ``config.updates`` updates (from where a resumed run left off); returns a summary."""
         c = self.config
         (self.run_dir / "config.json").write_text(json.dumps(c.to_dict(), indent=2, sort_keys=True))
-        self._install_signals()
+        previous_handlers = self._install_signals()
         writer = self._tensorboard()
         bar = self._progress_bar()
         try:
@@ -484,6 +506,8 @@ class Trainer:
                     self._save_checkpoint()
             self._save_checkpoint()
         finally:
+            for sig, handler in previous_handlers.items():  # a finished run no longer owns Ctrl-C
+                signal.signal(sig, handler)
             if bar is not None:
                 bar.close()
             if writer is not None:
@@ -531,6 +555,12 @@ class Trainer:
         self.ledger.dispatched += len(jobs)
         if jobs:
             self.rollouts.start(jobs)
+
+    def _poll(self, timeout: float | None) -> None:
+        before = self.rollouts.generated_tokens
+        finished = self.rollouts.poll(timeout=timeout)
+        self.ledger.generated_tokens += self.rollouts.generated_tokens - before
+        self._receive(finished)
 
     def _receive(self, finished: Sequence[Finished]) -> None:
         for item in finished:
@@ -622,7 +652,7 @@ class Trainer:
                     f"{self._capacity()}): the batch rule cannot fill a batch of {self.config.batch}"
                 )
             started = time.perf_counter()
-            self._receive(self.rollouts.poll(timeout=None))
+            self._poll(timeout=None)
             self.generator_busy += time.perf_counter() - started
         return None
 
@@ -644,7 +674,7 @@ class Trainer:
             while not future.done():
                 self._dispatch()
                 if self.rollouts.running:
-                    self._receive(self.rollouts.poll(timeout=0.05))
+                    self._poll(timeout=0.05)
                 else:
                     time.sleep(0.01)
             metrics = future.result()
@@ -699,6 +729,13 @@ class Trainer:
 
     def _serve(self, policy_dir: Path, version: int) -> None:
         """Load a published policy into the rollout backend: an adapter, or full weights into its own copy."""
+        if not policy_dir.is_dir():
+            published = (
+                sorted(p.name for p in policy_dir.parent.glob("v*")) if policy_dir.parent.is_dir() else []
+            )
+            raise PublishError(
+                f"policy version v{version} is missing: no {policy_dir} (on disk: {published})"
+            )
         if self.learner.finetune == "lora":
             self.backend.set_adapter(str(policy_dir), version)
             return
@@ -739,6 +776,8 @@ class Trainer:
             "batch/tool_calls": sum(sum(turn.tool_calls for turn in t.turns) for t in trajs) / len(trajs),
             "batch/invalid_action_rate": invalid / max(1, sum(turns)),
             "staleness": {str(k): v for k, v in sorted(staleness.items())},
+            "batch/task_ids": [e.task_id for e in batch],
+            "batch/dispatch_indices": [e.ticket.dispatch_index for e in batch],
             **{f"learner/{k}": v for k, v in metrics.items()},
             "time/elapsed_s": elapsed,
             "time/generator_busy_s": self.generator_busy,
@@ -773,8 +812,10 @@ class Trainer:
         )
 
     def _write_metrics(self, row: Mapping[str, Any], writer: Any) -> None:
+        # strict JSON: a non-finite value (e.g. an undefined explained variance) is written as null
+        clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
         with (self.run_dir / "metrics.jsonl").open("a") as f:
-            f.write(json.dumps(row, sort_keys=True) + "\n")
+            f.write(json.dumps(clean, sort_keys=True, allow_nan=False) + "\n")
         if writer is not None:
             step = int(row.get("update", self.updates))
             for key, value in row.items():
@@ -811,7 +852,7 @@ class Trainer:
             self.config.num_envs,
             config=VectorEnvConfig(backend=self.config.env_workers),
             split=split,
-            **dict(self.spec.env_kwargs),
+            **{**self.spec.env_kwargs, **self.config.env_kwargs},
         )
         sampling = replace(self.sampling, temperature=temperature, seed=seed)
         agent = LLMAgent(
@@ -861,6 +902,7 @@ class Trainer:
                 self.config.offline_rollouts,
                 self.config.temperature,
                 self.sampling.max_new_tokens,
+                sorted(self.config.env_kwargs.items()),
             ],
         )
         name = hashlib.sha256(key.encode()).hexdigest()[:20]
@@ -890,16 +932,20 @@ class Trainer:
         }
 
     # -- checkpoints -------------------------------------------------------------------------------------------
-    def _install_signals(self) -> None:
+    def _install_signals(self) -> dict[int, Any]:
+        """SIGINT/SIGTERM stop the run after the current step (and checkpoint); returns the handlers replaced."""
         if threading.current_thread() is not threading.main_thread():
-            return
+            return {}
 
         def stop(signum: int, frame: Any) -> None:
             self.log(f"signal {signum}: checkpointing after the current step")
             self._stop.set()
 
+        previous: dict[int, Any] = {}
         for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.getsignal(sig)
             signal.signal(sig, stop)
+        return previous
 
     def _save_checkpoint(self) -> None:
         final = self.run_dir / "checkpoint"
@@ -918,7 +964,10 @@ class Trainer:
         state = {
             "updates": self.updates,
             "tracker": self.tracker.state_dict(),
-            "ledger": asdict(self.ledger),
+            "ledger": {
+                **asdict(self.ledger),
+                "generated_tokens": self.ledger.generated_tokens - self.rollouts.running_tokens(),
+            },
             "buffer": [self._episode_json(e) for e in self.buffer],
             "groups": {
                 str(g): [self._episode_json(e) for e in members] for g, members in self.groups.items()
@@ -975,6 +1024,7 @@ class Trainer:
         ]
         self.generator_busy = state["time"]["generator_busy"]
         self.learner_busy = state["time"]["learner_busy"]
+        self._truncate_metrics(self.updates)
         version = int(state["backend_version"])
         self._checkpoint_version = version
         if version > 0:  # serve the published policy of the checkpointed version, not the learner's weights
@@ -982,6 +1032,23 @@ class Trainer:
         self.log(
             f"resumed {self.run_dir} at update {self.updates} (version {version}), {len(self.queued)} tickets requeued, {len(self.buffer)} episodes buffered"
         )
+
+    def _truncate_metrics(self, updates: int) -> None:
+        """Drop the metrics rows of updates after ``updates`` (and a row cut by a kill): they are run again."""
+        from streamrl.envs.cache import atomic_write_text
+
+        path = self.run_dir / "metrics.jsonl"
+        if not path.is_file():
+            return
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if int(row.get("update", 0)) <= updates:
+                kept.append(line + "\n")
+        atomic_write_text(path, "".join(kept))
 
 
 def train(

@@ -250,7 +250,7 @@ class TrainRunOptions:
     """Show a progress bar (``--no-progress`` for logs)."""
 
 
-_TRAIN_NO_FLAG = ("learner", "algorithm")
+_TRAIN_NO_FLAG = ("learner", "algorithm", "env_kwargs")
 
 
 def parse_train_args(argv: Sequence[str]) -> tuple[TrainRunOptions, Any]:

@@ -1,0 +1,804 @@
+"""The trainer (``streamrl train``) end to end on ``tiny``: every algorithm, the synchronous mode's
+reproducibility, kill -9 / SIGTERM and resume, staleness, the drain policy, the ledger, publication, the
+learner's micro-batching and importance ratio, and bad input (issue 13's "Done when" and "Pitfalls").
+
+Reward variance. An untrained ``tiny`` never solves a task, so every advantage would be 0 and no update could
+move the weights, and every episode runs to the turn limit. The ``primed`` model is ``tiny`` after 50
+behaviour-cloning steps on the answers of the first two Math-TIR training tasks (``\\boxed{6}``,
+``\\boxed{82}``): it often answers at once (right on the first task about a third of the time, wrong elsewhere)
+and otherwise rambles for all four turns. So rewards vary within a batch and within a GRPO group of the first
+task, and the episodes of one dispatch end at different times: batches fill while longer episodes are
+mid-way, which finish under a newer policy version. The rewards are the env's own judgments.
+
+Every run checks that the ledger closes in every metrics row. Runs use in-process env workers, 16 new tokens a
+turn, 4-8 episodes an update and no evaluation unless the test is about it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from streamrl.agents.base import SamplingParams
+from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
+from streamrl.agents.llm_agent import LLMAgent
+from streamrl.agents.logprobs import token_logprobs
+from streamrl.agents.models import load_model, load_tokenizer, resolve_model
+from streamrl.algorithms.base import Episode, make_algorithm
+from streamrl.algorithms.learner import Learner, LearnerConfig, length_sorted_chunks, training_rows
+from streamrl.algorithms.runtime import Job, Rollouts, collect
+from streamrl.algorithms.tracker import EventTracker, Receipt, Ticket
+from streamrl.algorithms.train import ConfigError, PublishError, TrainConfig, Trainer
+
+QUIET: Callable[[str], None] = lambda _: None  # noqa: E731
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fixtures and helpers
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def math_tasks() -> list[str]:
+    from streamrl.agents.env_specs import env_spec, make_env, task_ids_of
+
+    env = make_env("math_tir", env_spec("math_tir").train_split)
+    try:
+        return task_ids_of(env, "math_tir")
+    finally:
+        env.close()
+
+
+@pytest.fixture(scope="module")
+def primed(tmp_path_factory: pytest.TempPathFactory, math_tasks: list[str]) -> Path:
+    """``tiny`` behaviour-cloned on the correct answers of the first two Math-TIR training tasks (module doc)."""
+    from streamrl.agents.env_specs import env_spec, make_env
+    from streamrl.agents.rollout import play_episode
+    from streamrl.agents.teacher_forcing import TeacherForcedAgent, sequences_of
+    from streamrl.algorithms.sft import SFTConfig, train_sft
+
+    class AnswerAtOnce:
+        """An expert that writes the ground truth as its first turn."""
+
+        def act(self, observations: Sequence[str], infos: Sequence[Mapping[str, Any]], ids: Any) -> list[str]:
+            return [f"\\boxed{{{info['ground_truth']}}}" for info in infos]
+
+        def end_episode(self, episode_id: Any) -> None:
+            return None
+
+    tokenizer = load_tokenizer(resolve_model("tiny"))
+    spec = env_spec("math_tir")
+    env = make_env("math_tir", spec.train_split)
+    try:
+        agent = TeacherForcedAgent(AnswerAtOnce(), tokenizer, spec.prompt(), spec.context)
+        experts = [play_episode(env, agent, options={"task_id": t}).record for t in math_tasks[:2]]
+    finally:
+        env.close()
+    assert all(e is not None and e.won for e in experts)
+    model = load_model(resolve_model("tiny"))
+    config = SFTConfig(envs=("math_tir",), epochs=25, batch_size=1, lr=1e-2, warmup_steps=2)
+    train_sft(model, sequences_of(experts), config, tokenizer.pad_token_id, log=QUIET)  # type: ignore[arg-type]
+    out = tmp_path_factory.mktemp("primed")
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+def run_config(out: Path, model: Path | str = "tiny", **overrides: Any) -> TrainConfig:
+    values: dict[str, Any] = dict(
+        out=str(out),
+        env="math_tir",
+        model=str(model),
+        init="base",
+        updates=2,
+        batch=4,
+        num_envs=4,
+        tasks=4,
+        offline_rollouts=1,
+        eval_every=0,
+        max_new_tokens=16,
+        env_workers="inprocess",
+        checkpoint_every=0,
+    )
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+@dataclass
+class Update:
+    """What the learner was given in one update, seen from outside the trainer."""
+
+    version: int
+    """The tracker's (served) policy version when the learner trained."""
+    episodes: list[Episode]
+    advantages: list[float]
+
+
+@dataclass
+class Run:
+    trainer: Trainer
+    updates: list[Update] = field(default_factory=list)
+    receipts: list[tuple[int, Receipt]] = field(default_factory=list)
+    """(tracker version when filed, receipt) for every outcome filed in the tracker."""
+    initial: dict[str, torch.Tensor] = field(default_factory=dict)
+    first_update: int = 1
+    """The number of the first update this trainer runs (after the checkpoint's, when resumed)."""
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        return update_rows(self.trainer.run_dir)
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.trainer.learner.state_dict()["weights"]
+
+
+def update_rows(run_dir: Path) -> list[dict[str, Any]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "ledger/dispatched" in r]
+
+
+def updates_written(run_dir: Path) -> list[int]:
+    """The updates in metrics.jsonl so far, read while a run may be appending to it."""
+    path = run_dir / "metrics.jsonl"
+    done = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            done.append(int(json.loads(line)["update"]))
+        except (ValueError, KeyError):
+            continue
+    return done
+
+
+def start(config: TrainConfig, *, resume: bool = False, cls: type[Trainer] = Trainer) -> Run:
+    """A trainer whose learner updates and tracker records are watched (the calls go through unchanged)."""
+    trainer = cls(config, resume=resume, progress=False, log=QUIET)
+    initial = {k: v.clone() for k, v in trainer.learner.state_dict()["weights"].items()}
+    run = Run(trainer, initial=initial, first_update=trainer.updates + 1)
+    learner_update, record = trainer.learner.update, trainer.tracker.record
+
+    def update(episodes: Sequence[Episode], advantages: Sequence[Any], algorithm: Any) -> dict[str, float]:
+        values = [float(a) if not isinstance(a, torch.Tensor) else float(a.abs().max()) for a in advantages]
+        run.updates.append(Update(trainer.tracker.version, list(episodes), values))
+        return learner_update(episodes, advantages, algorithm)
+
+    def watched_record(ticket: Ticket, reward: float, **kwargs: Any) -> Receipt:
+        receipt = record(ticket, reward, **kwargs)
+        run.receipts.append((trainer.tracker.version, receipt))
+        return receipt
+
+    trainer.learner.update = update  # type: ignore[method-assign]
+    trainer.tracker.record = watched_record  # type: ignore[method-assign]
+    return run
+
+
+def train(config: TrainConfig, **kwargs: Any) -> Run:
+    run = start(config, **kwargs)
+    run.trainer.run()
+    assert_ledger_closes(run.rows)
+    return run
+
+
+def assert_ledger_closes(rows: Sequence[Mapping[str, Any]]) -> None:
+    assert rows
+    for row in rows:
+        ledger = {k.removeprefix("ledger/"): v for k, v in row.items() if k.startswith("ledger/")}
+        settled = (
+            ledger["trained"]
+            + ledger["dropped_stale"]
+            + ledger["dropped_group"]
+            + ledger["failed"]
+            + ledger["buffered"]
+        )
+        assert ledger["finished"] == settled, (row["update"], ledger)
+        assert ledger["dispatched"] == settled + ledger["in_flight"], (row["update"], ledger)
+        tokens = (
+            ledger["trained_tokens"]
+            + ledger["dropped_tokens"]
+            + ledger["failed_tokens"]
+            + ledger["buffered_tokens"]
+            + ledger["in_flight_tokens"]
+        )
+        assert ledger["generated_tokens"] == tokens, (row["update"], ledger)
+        assert ledger["trained"] == sum(
+            len(r["batch/dispatch_indices"]) for r in rows if r["update"] <= row["update"]
+        )
+
+
+def action_versions(episode: Episode) -> list[int]:
+    """The generating policy version of every action token of ``episode``."""
+    return [
+        v
+        for seq in episode.trajectory.sequences
+        for v, m in zip(seq.token_versions, seq.action_mask, strict=True)
+        if m
+    ]
+
+
+def max_abs_diff(a: Sequence[float], b: Sequence[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def probe_logprobs(trainer: Trainer, backend: HFBackend) -> list[float]:
+    return backend.score([trainer.probe], [1])[0]
+
+
+def served_backend(trainer: Trainer, version: int) -> HFBackend:
+    """A fresh backend serving the published policy ``version`` from disk, as a resumed run or vLLM would."""
+    path = trainer.run_dir / "policy" / f"v{version}"
+    cpu = HFBackendConfig(device="cpu")
+    if trainer.learner.finetune == "lora":
+        backend = HFBackend(trainer.model_dir, tokenizer=trainer.tokenizer, config=cpu)
+        backend.set_adapter(path, version)
+        return backend
+    return HFBackend(path, tokenizer=trainer.tokenizer, config=cpu)
+
+
+def learner_probe(trainer: Trainer) -> list[float]:
+    ids = torch.tensor([trainer.probe])
+    with torch.no_grad():
+        return token_logprobs(trainer.learner.model, ids, torch.ones_like(ids))[0].tolist()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 1. Each algorithm end to end
+# ---------------------------------------------------------------------------------------------------------
+
+END_TO_END = [
+    pytest.param("spo", "math_tir", {}, id="spo-math_tir"),
+    pytest.param("spo++", "math_tir", {}, id="spo++-math_tir"),
+    pytest.param(
+        "spo++", "math_tir", {"learner": LearnerConfig(finetune="lora", lr=1e-3)}, id="spo++-lora-math_tir"
+    ),
+    pytest.param(
+        "grpo",
+        "math_tir",
+        {"algorithm": {"group_size": 4}, "tasks": 1, "batch": 8, "num_envs": 8},
+        id="grpo-math_tir",
+    ),
+    pytest.param("sao", "math_tir", {"algorithm": {"warmup_updates": 1}, "updates": 3}, id="sao-math_tir"),
+    # ALFWorld: the untrained tiny (it never wins); SPO++'s advantages vary with the tasks' baselines once the
+    # tracker has filed the first batch. Three steps an episode keep the learner's ~700-token turns CI-sized.
+    pytest.param(
+        "spo++",
+        "alfworld",
+        {"model": "tiny", "tasks": 8, "env_kwargs": {"max_steps": 3}},
+        id="spo++-alfworld",
+    ),
+]
+
+
+@pytest.mark.parametrize(("algo", "env", "overrides"), END_TO_END)
+def test_each_algorithm_trains_end_to_end(
+    algo: str, env: str, overrides: dict[str, Any], primed: Path, tmp_path: Path
+) -> None:
+    config = run_config(tmp_path / "run", **{"model": primed, "algo": algo, "env": env, **overrides})
+    run = train(config)
+    trainer, rows = run.trainer, run.rows
+    publish_every = trainer.algorithm.config.publish_every
+
+    assert [r["update"] for r in rows] == list(range(1, config.updates + 1))
+    for row in rows:
+        losses = {
+            k: v for k, v in row.items() if k.startswith("learner/") and k.endswith(("loss", "grad_norm"))
+        }
+        assert all(math.isfinite(v) for v in losses.values()), losses
+        assert row["published"] == (row["version"] if row["update"] % publish_every == 0 else None)
+    policy_rows = [r for r in rows if r["learner/policy_trained"]]  # SAO: after its critic-only warm-up
+    assert len(policy_rows) == len(run.updates) >= 1
+    # versions advance with publication; the tracker filed every trained outcome
+    assert trainer.tracker.version == config.updates // publish_every >= 1
+    assert [r["version"] for r in rows] == [u // publish_every for u in range(1, config.updates + 1)]
+    assert sum(trainer.tracker.task_stats(t).recorded for t in trainer.task_ids) >= rows[-1]["ledger/trained"]
+    # no policy step in between: the first update's importance ratio pi_old / pi_rollout is 1 on every token
+    assert policy_rows[0]["learner/is_log_weight_abs"] < 1e-5
+
+    # the policy moved -- which needs a non-zero advantage, so that is asserted first
+    assert any(a != 0 for u in run.updates for a in u.advantages), "precondition: some advantage is non-zero"
+    assert any(not torch.equal(run.initial[k], v) for k, v in run.weights.items())
+
+    # the last update published: a fresh backend serving it from disk gives the learner's log-probs on the probe,
+    # and they are not the initial model's
+    served = probe_logprobs(trainer, served_backend(trainer, trainer.tracker.version))
+    mine = learner_probe(trainer)
+    initial = probe_logprobs(trainer, HFBackend(trainer.model_dir, tokenizer=trainer.tokenizer))
+    assert max_abs_diff(served, mine) < 1e-4
+    assert max_abs_diff(initial, mine) > 1e-4
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 2-3. The synchronous mode: reproducible bit for bit, also across kill -9 and SIGTERM + resume
+# ---------------------------------------------------------------------------------------------------------
+
+
+def sync_config(out: Path, model: Path) -> TrainConfig:
+    """S = 0, publication every update; a checkpoint every 2 updates and only the newest version kept on disk,
+    so a kill after update 3 resumes from update 2 while v3 was published and v2 is past retention."""
+    return run_config(
+        out,
+        model,
+        algo="spo",
+        max_staleness=0,
+        tasks=8,
+        updates=5,
+        checkpoint_every=2,
+        keep_versions=1,
+    )
+
+
+@pytest.fixture(scope="module")
+def sync_reference(primed: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return train(sync_config(tmp_path_factory.mktemp("sync") / "run", primed))
+
+
+def assert_same_training(run_dir: Path, weights: Mapping[str, torch.Tensor], reference: Run) -> None:
+    """Same weights bit for bit, the same tickets trained in the same updates, each row written once."""
+    rows = update_rows(run_dir)
+    assert_ledger_closes(rows)
+    ref_rows = reference.rows
+    assert [r["update"] for r in rows] == [r["update"] for r in ref_rows]
+    assert [r["batch/dispatch_indices"] for r in rows] == [r["batch/dispatch_indices"] for r in ref_rows]
+    assert Counter(t for r in rows for t in r["batch/task_ids"]) == Counter(
+        t for r in ref_rows for t in r["batch/task_ids"]
+    )
+    assert [r["learner/loss"] for r in rows] == [r["learner/loss"] for r in ref_rows]
+    ref_weights = reference.weights
+    assert weights.keys() == ref_weights.keys()
+    different = [k for k in weights if not torch.equal(weights[k], ref_weights[k])]
+    assert not different, f"weights differ from the uninterrupted run: {different[:5]}"
+
+
+def test_synchronous_trainer_is_bitwise_reproducible(
+    primed: Path, tmp_path: Path, sync_reference: Run
+) -> None:
+    assert any(not torch.equal(sync_reference.initial[k], v) for k, v in sync_reference.weights.items())
+    again = train(sync_config(tmp_path / "again", primed))
+    assert_same_training(again.trainer.run_dir, again.weights, sync_reference)
+    trained = [i for r in sync_reference.rows for i in r["batch/dispatch_indices"]]
+    assert len(trained) == len(set(trained))
+
+
+def test_kill_9_and_resume_continues_bit_for_bit(primed: Path, tmp_path: Path, sync_reference: Run) -> None:
+    out = tmp_path / "run"
+    config = sync_config(out, primed)
+    cli = [sys.executable, "-m", "streamrl.evaluation.cli", "train"]
+    flags = [
+        f"--{name.replace('_', '-')}={getattr(config, name)}"
+        for name in (
+            "out",
+            "env",
+            "model",
+            "init",
+            "algo",
+            "max_staleness",
+            "tasks",
+            "updates",
+            "batch",
+            "num_envs",
+            "checkpoint_every",
+            "keep_versions",
+            "offline_rollouts",
+            "eval_every",
+            "max_new_tokens",
+            "env_workers",
+        )
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen(
+        [*cli, *flags, "--no-progress"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    state = out / "checkpoint" / "state.json"
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if state.is_file() and max(updates_written(out), default=0) >= 3:
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, f"the run ended before it could be killed:\n{proc.stdout.read().decode()}"  # type: ignore[union-attr]
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    # killed after update 3 (published v3; retention keeps one version) with the checkpoint at update 2
+    assert json.loads(state.read_text())["updates"] == 2
+    assert 3 in updates_written(out)
+
+    resumed = subprocess.run(
+        [*cli, f"--resume={out}", "--no-progress"], env=env, capture_output=True, text=True
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    final = torch.load(out / "checkpoint" / "learner.pt", weights_only=False)["learner"]["weights"]
+    assert_same_training(out, final, sync_reference)
+
+
+def test_sigterm_mid_rollout_requeues_in_flight_work_and_keeps_finished_work(
+    primed: Path, tmp_path: Path, sync_reference: Run
+) -> None:
+    # A requeued episode is played again from its first turn, in generation calls without the episodes that
+    # had finished. Each (episode, turn) samples with its own seed, so it plays the same tokens as in the
+    # uninterrupted run; the log-probs of a smaller batch differ in the last float bits, so the weights are
+    # compared to a tolerance (bit for bit when no episode was in flight: the kill -9 test).
+    config = sync_config(tmp_path / "run", primed)
+    first = start(config)
+    trainer = first.trainer
+    poll = trainer.rollouts.poll
+
+    def poll_then_signal(timeout: float | None = None) -> Any:
+        finished = poll(timeout=timeout)
+        if trainer.updates >= 1 and finished and trainer.rollouts.running:  # some finished, some mid-way
+            os.kill(os.getpid(), signal.SIGTERM)
+        return finished
+
+    trainer.rollouts.poll = poll_then_signal  # type: ignore[method-assign]
+    handler = signal.getsignal(signal.SIGTERM)
+    summary = trainer.run()
+    assert summary["interrupted"] and 1 <= summary["updates"] < config.updates
+    assert signal.getsignal(signal.SIGTERM) is handler  # the finished run gave the signal back
+    state = json.loads((trainer.run_dir / "checkpoint" / "state.json").read_text())
+    assert state["updates"] == summary["updates"], state
+    requeued = {job["key"] for job in state["in_flight"]}
+    kept = {item["ticket"]["dispatch_index"]: item["trajectory"] for item in state["buffer"]}
+    assert requeued and kept, "precondition: episodes in flight and finished-but-untrained at the checkpoint"
+    assert_ledger_closes(update_rows(trainer.run_dir))
+
+    resumed = train(config, resume=True)
+    assert resumed.trainer.updates == config.updates
+    rows = update_rows(trainer.run_dir)
+    assert [r["update"] for r in rows] == list(range(1, config.updates + 1))
+    # every ticket dispatched was trained exactly once: none lost, none counted twice
+    trained = [i for r in rows for i in r["batch/dispatch_indices"]]
+    assert sorted(trained) == list(range(rows[-1]["ledger/dispatched"]))
+    after = {e.ticket.dispatch_index: e for u in resumed.updates for e in u.episodes}
+    assert requeued | set(kept) <= set(after)
+    for index, trajectory in kept.items():  # trained as it was generated, not played again
+        assert json.loads(json.dumps(after[index].trajectory.to_dict())) == trajectory
+
+    assert [r["batch/dispatch_indices"] for r in rows] == [
+        r["batch/dispatch_indices"] for r in sync_reference.rows
+    ]
+    played = {e.ticket.dispatch_index: e for u in first.updates + resumed.updates for e in u.episodes}
+    for update in sync_reference.updates:
+        for episode in update.episodes:
+            again = played[episode.ticket.dispatch_index].trajectory
+            assert [s.token_ids for s in again.sequences] == [
+                s.token_ids for s in episode.trajectory.sequences
+            ]
+    for key, value in resumed.weights.items():
+        torch.testing.assert_close(value, sync_reference.weights[key], rtol=0, atol=1e-4)
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_over(tmp_path: Path) -> None:
+    config = run_config(tmp_path / "run", updates=1, offline_rollouts=0)
+    train(config)
+    shutil.rmtree(tmp_path / "run" / "checkpoint")  # as if killed after writing update 1's row
+    again = train(config, resume=True)
+    assert [r["update"] for r in again.rows] == [1]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 5-6. Staleness and the drain policy
+# ---------------------------------------------------------------------------------------------------------
+
+
+def staleness_config(out: Path, model: Path, **overrides: Any) -> TrainConfig:
+    """Up to four times as many episodes in flight as a batch takes, of different lengths (one turn or four):
+    batches fill while longer episodes are mid-way, which then finish under a newer policy version."""
+    return run_config(out, model, tasks=8, num_envs=8, batch=2, updates=6, **overrides)
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 2])
+def test_trained_tokens_are_at_most_max_staleness_old(
+    max_staleness: int, primed: Path, tmp_path: Path
+) -> None:
+    config = staleness_config(tmp_path / "run", primed, algo="spo", max_staleness=max_staleness)
+    runs = [train(config)]
+    runs.append(train(replace(config, updates=8), resume=True))
+    seen: Counter[int] = Counter()
+    for run in runs:
+        by_update = {r["update"]: r for r in run.rows}
+        for k, update in enumerate(run.updates):
+            lags = [update.version - v for e in update.episodes for v in action_versions(e)]
+            assert max(lags) <= max_staleness
+            seen.update(lags)
+            row = by_update[run.first_update + k]
+            expected = Counter(update.version - min(action_versions(e)) for e in update.episodes)
+            assert row["staleness"] == {str(s): n for s, n in sorted(expected.items())}
+    assert runs[1].trainer.updates == 8
+    if max_staleness > 0:
+        assert max(seen) == max_staleness, f"precondition: the bound is reached ({seen})"
+
+
+def test_current_version_rule_files_old_work_but_never_trains_it(primed: Path, tmp_path: Path) -> None:
+    config = staleness_config(
+        tmp_path / "run", primed, algo="spo++", max_staleness=2, algorithm={"publish_every": 1}
+    )
+    run = train(config)
+    trained = {e.ticket.dispatch_index for u in run.updates for e in u.episodes}
+    for update in run.updates:
+        for episode in update.episodes:  # first completed requests of the current version only
+            assert episode.ticket.version == update.version
+            assert set(action_versions(episode)) == {update.version}
+    # Superseded: dispatched under a version that was published over before a batch took them -- finished
+    # after the publication (the receipt's staleness >= 1) or before it and left in the buffer (staleness 0).
+    # Each was filed in the tracker once, at its own version (the receipt's ticket), and ledgered as dropped.
+    filed = [r.ticket.dispatch_index for _, r in run.receipts]
+    assert len(filed) == len(set(filed))
+    superseded = [
+        r
+        for _, r in run.receipts
+        if r.ticket.dispatch_index not in trained and r.ticket.version < run.trainer.tracker.version
+    ]
+    late = [r for r in superseded if r.staleness >= 1]
+    assert late and len(late) < len(superseded), "precondition: both kinds of superseded episodes occur"
+    assert run.rows[-1]["ledger/dropped_stale"] == len(superseded)
+
+
+def test_any_rule_trains_old_work_within_max_staleness(primed: Path, tmp_path: Path) -> None:
+    run = train(staleness_config(tmp_path / "run", primed, algo="spo", max_staleness=1))
+    assert run.rows[-1]["ledger/dropped_stale"] == 0
+    old = [e for u in run.updates for e in u.episodes if e.ticket.version < u.version]
+    assert any(len(set(action_versions(e))) > 1 for e in old)  # some finished after a publication
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 8. Publication pitfalls
+# ---------------------------------------------------------------------------------------------------------
+
+
+class FirstAdapterOnly(HFBackend):
+    """Fault injection: a reload that is a no-op (vLLM's same-name reload) -- it reports the new version and
+    keeps serving the first adapter it loaded."""
+
+    def set_adapter(self, path: Any, version: int) -> None:
+        if self._adapter_name is None and path is not None:
+            super().set_adapter(path, version)
+        else:
+            self._version = version
+
+
+class NoReloadTrainer(Trainer):
+    def _make_backend(self) -> Any:
+        return FirstAdapterOnly(
+            self.model_dir, tokenizer=self.tokenizer, config=HFBackendConfig(device="cpu")
+        )
+
+
+def test_a_publish_the_backend_does_not_serve_raises(primed: Path, tmp_path: Path) -> None:
+    config = run_config(
+        tmp_path / "run", primed, algo="spo", learner=LearnerConfig(finetune="lora", lr=1e-2), updates=3
+    )
+    run = start(config, cls=NoReloadTrainer)
+    with pytest.raises(PublishError, match="after publishing v2 the backend serves"):
+        run.trainer.run()
+    assert run.trainer.tracker.version == 1  # v1 was loaded and verified; the clock did not advance past it
+
+
+def test_a_corrupted_policy_and_a_missing_version_raise(
+    primed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    run = start(run_config(tmp_path / "run", primed, algo="spo", updates=1))
+    trainer = run.trainer
+    save_policy = trainer.learner.save_policy
+
+    def save_then_corrupt(directory: Any) -> Path:
+        path = save_policy(directory)
+        for file in Path(path).glob("*.safetensors"):
+            weights = load_file(str(file))
+            save_file({k: v + 0.05 if v.is_floating_point() else v for k, v in weights.items()}, str(file))
+        return path
+
+    monkeypatch.setattr(trainer.learner, "save_policy", save_then_corrupt)
+    with pytest.raises(PublishError, match="v1"):
+        trainer.run()
+    assert trainer.tracker.version == 0
+    with pytest.raises(PublishError, match="v7 is missing"):
+        trainer._serve(trainer.run_dir / "policy" / "v7", 7)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 4, 8. The learner: micro-batches and the importance ratio
+# ---------------------------------------------------------------------------------------------------------
+
+
+def rollouts_of(model: Path | str, jobs: Sequence[Job], temperature: float = 1.0) -> list[Episode]:
+    from streamrl.agents.env_specs import env_spec
+    from streamrl.envs.vector import StreamingVectorEnv, VectorEnvConfig
+
+    spec = env_spec("math_tir")
+    backend = HFBackend(model, config=HFBackendConfig(device="cpu"))
+    venv = StreamingVectorEnv.from_env(
+        spec.gym_id,
+        len(jobs),
+        config=VectorEnvConfig(backend="inprocess"),
+        split=spec.train_split,
+        **spec.env_kwargs,
+    )
+    agent = LLMAgent(
+        backend,
+        prompt_format=spec.prompt(),
+        sampling=SamplingParams(temperature=temperature, max_new_tokens=16, seed=1),
+        context=spec.context,
+    )
+    try:
+        done = collect(Rollouts(venv, agent, seed=2, lockstep=True), jobs)
+    finally:
+        venv.close()
+    return [Episode(f.trajectory, f.job.ticket, f.job.group) for f in done]
+
+
+def learner_for(model: Path | str, temperature: float = 1.0, **config: Any) -> Learner:
+    tokenizer = load_tokenizer(resolve_model(model))
+    return Learner(
+        load_model(resolve_model(model)),
+        LearnerConfig(finetune="full", device="cpu", **config),
+        pad_token_id=int(tokenizer.pad_token_id),
+        total_steps=1,
+        temperature=temperature,
+    )
+
+
+@pytest.mark.parametrize("algo", ["spo++", "grpo"])
+def test_micro_batches_give_the_full_batch_gradient(algo: str, primed: Path, math_tasks: list[str]) -> None:
+    algorithm = make_algorithm(algo, **({"group_size": 4} if algo == "grpo" else {}))
+    tracker = EventTracker(math_tasks[:8], replace(algorithm.tracker_config(0), one_in_flight=False))
+    if algo == "spo++":  # baselines that differ between tasks: advantages vary whatever the rewards
+        tracker.init_offline(
+            {t: [1.0, float(i % 2)] if i < 2 else [0.0, 0.0] for i, t in enumerate(math_tasks[:8])}
+        )
+    tickets: list[tuple[Ticket, int | None]]
+    if algo == "grpo":  # a group of 8 of the primed task (mixed rewards) and one of 4 of another
+        tickets = [(tracker.dispatch(t), g) for g, n in ((0, 8), (1, 4)) for t in [math_tasks[g]] * n]
+    else:  # the primed task 4 times, 4 others once
+        tickets = [(tracker.dispatch(t), None) for t in [math_tasks[0]] * 4 + math_tasks[1:5]]
+    jobs = [Job(t.task_id, t.dispatch_index, t, g) for t, g in tickets]
+    episodes = rollouts_of(primed, jobs)
+    advantages = algorithm.advantages(episodes)
+    assert len({round(float(a), 6) for a in advantages}) > 1, "precondition: the advantages vary"
+    if algo == "spo++":  # Eq. 6: zero mean under the action-token measure of the whole batch
+        tokens = torch.tensor([e.num_action_tokens for e in episodes], dtype=torch.float64)
+        assert abs(float((torch.tensor(advantages, dtype=torch.float64) * tokens).sum())) < 1e-9
+
+    grads: list[list[torch.Tensor]] = []
+    for micro_batch_tokens in (1, 1 << 20):  # one row per micro-batch, then the whole batch in one
+        learner = learner_for(primed, micro_batch_tokens=micro_batch_tokens)
+        rows = training_rows([e.trajectory for e in episodes])
+        assert len(length_sorted_chunks(rows, micro_batch_tokens)) == (
+            len(rows) if micro_batch_tokens == 1 else 1
+        )
+        step = learner._step
+
+        def recording_step(learner: Learner = learner, step: Callable[[], float] = step) -> float:
+            grads.append([p.grad.detach().clone() for p in learner.params])  # type: ignore[union-attr]
+            return step()
+
+        learner._step = recording_step  # type: ignore[method-assign]
+        learner.update(episodes, advantages, algorithm)
+    # the gradients agree to float32 rounding (Adam's first step, ~lr * sign(g), would amplify rounding where
+    # g ~ 0, so the weights after the step are not compared)
+    scale = max(float(g.abs().max()) for g in grads[1])
+    assert scale > 0
+    for split, whole in zip(grads[0], grads[1], strict=True):
+        assert float((split - whole).abs().max()) <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_importance_ratio_is_one_without_an_update(temperature: float, math_tasks: list[str]) -> None:
+    jobs = [Job(t, i) for i, t in enumerate(math_tasks[:4])]
+    episodes = rollouts_of("tiny", jobs, temperature=temperature)
+    rollout = [
+        torch.tensor(
+            [
+                lp
+                for seq in e.trajectory.sequences
+                for lp, m in zip(seq.rollout_logprobs, seq.action_mask, strict=True)
+                if m
+            ]
+        )
+        for e in episodes
+    ]
+    other = 1.0 if temperature != 1.0 else 0.7  # raw vs processed log-probs: the pitfall this guards against
+    for scoring_temperature, agrees in ((temperature, True), (other, False)):
+        learner = learner_for("tiny", temperature=scoring_temperature)
+        old = learner.episode_logprobs([e.trajectory for e in episodes])
+        worst = max(float((o - r).abs().max()) for o, r in zip(old, rollout, strict=True))
+        # log(pi_old / pi_rollout) on every action token; scoring at another temperature is far off
+        assert (worst < 1e-4) == agrees, (scoring_temperature, worst)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 9. Bad input fails before any work, naming the value and what is valid
+# ---------------------------------------------------------------------------------------------------------
+
+BAD = [
+    pytest.param({"env": "nope"}, "unknown env 'nope'; valid: \\['alfworld', 'math_tir'\\]", id="env"),
+    pytest.param({"algo": "nope"}, "unknown algorithm 'nope'; valid: .*spo\\+\\+", id="algo"),
+    pytest.param({"model": "nope"}, "unknown model 'nope'.*Valid names: 'tiny'", id="model"),
+    pytest.param(
+        {"algo": "grpo", "algorithm": {"group_size": 1}},
+        "batch_rule='groups' needs group_size >= 2, got 1",
+        id="grpo-G1",
+    ),
+    pytest.param(
+        {"algo": "grpo", "algorithm": {"group_size": 4}, "batch": 6},
+        "batch=6 must be a multiple of grpo's group_size=4",
+        id="batch-not-multiple-of-G",
+    ),
+    pytest.param(
+        {"batch": 8, "tasks": 4}, "batch=8 is larger than the task set \\(4 tasks\\)", id="batch-gt-tasks"
+    ),
+    pytest.param(
+        {"algo": "spo", "batch": 1}, "batch=1 is too small for spo: .* needs batch >= 2", id="spo-batch-1"
+    ),
+    pytest.param({"temperature": 0.0}, "temperature must be > 0.*got 0.0", id="temperature-0"),
+    pytest.param(
+        {"keep_versions": 1, "max_staleness": 2},
+        "keep_versions=1 must be >= max_staleness \\+ 1 = 3",
+        id="keep",
+    ),
+    pytest.param(
+        {"env_kwargs": {"max_stepz": 3}},
+        "env_kwargs=\\{'max_stepz': 3\\} do not fit the math_tir env",
+        id="env-kwargs",
+    ),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), BAD)
+def test_bad_input_fails_before_any_work(overrides: dict[str, Any], message: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Trainer(run_config(tmp_path / "run", **{"model": "tiny", **overrides}), progress=False, log=QUIET)
+    assert not (tmp_path / "run").exists()
+
+
+def test_resuming_with_another_config_fails(tmp_path: Path) -> None:
+    config = run_config(tmp_path / "run", "tiny")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(json.dumps(config.to_dict()))
+    changed = replace(config, batch=2, updates=9)  # more updates are fine, batch is not
+    with pytest.raises(ConfigError, match=r"cannot resume .* with a different config \(batch: 4 -> 2\)"):
+        Trainer(changed, resume=True, progress=False, log=QUIET)
+    with pytest.raises(ConfigError, match="already holds a run; pass resume=True"):
+        Trainer(config, progress=False, log=QUIET)
+
+
+def test_top_p_is_rejected_with_the_reason(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from streamrl.evaluation.cli import main
+
+    with pytest.raises(
+        ValueError, match="unknown train config key\\(s\\) \\['top_p'\\] \\(rollouts sample the full"
+    ):
+        TrainConfig.from_dict({"top_p": 0.9})
+    yaml = tmp_path / "train.yaml"
+    yaml.write_text("top_p: 0.9\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--config", str(yaml), "--out", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    assert "top_p" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--top-p", "0.9", "--out", str(tmp_path / "run")])
+    assert "unrecognized arguments: --top-p" in capsys.readouterr().err
+
+
+def test_cli_reports_bad_input_without_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from streamrl.evaluation.cli import main
+
+    assert main(["train", "--out", str(tmp_path / "run"), "--init", "base", "--model", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("streamrl train: unknown model 'nope'") and "Traceback" not in err
