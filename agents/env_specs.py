@@ -2,9 +2,10 @@
 
 An ``LLMAgent`` plays an env well only through the prompt format and context policy it was trained with, and
 the SFT cold start clones an expert through exactly that rendering. ``EnvSpec`` binds the four together per
-env name (``ENV_SPECS``), so teacher forcing (``streamrl.agents.teacher_forcing``), SFT training
-(``streamrl.algorithms.sft``) and evaluation (``streamrl.evaluation.harness``) build the same env, agent and
-task list from one name. ``play_tasks`` is the one loop that plays a spec's tasks with an LLM agent.
+env name (``ENV_SPECS``; ``register_env_spec`` adds your own), so teacher forcing
+(``streamrl.agents.teacher_forcing``), SFT training (``streamrl.algorithms.sft``), evaluation
+(``streamrl.evaluation.harness``) and the trainer build the same env, agent and task list from one name.
+``play_tasks`` is the one loop that plays a spec's tasks with an LLM agent.
 """
 
 from __future__ import annotations
@@ -163,6 +164,26 @@ ENV_SPECS: dict[str, EnvSpec] = {
         held_out_tasks=_math_held_out_tasks,
     ),
 }
+
+
+_BUILTIN_SPECS = frozenset(ENV_SPECS)
+
+
+def register_env_spec(name: str, spec: EnvSpec, *, replace: bool = False) -> None:
+    """Make ``spec`` known as env ``name``: then ``make_env(name, ...)``, ``evaluate`` and the trainer
+    (``TrainConfig(env=name)``) play it. This is how your own gym env becomes trainable. A taken name raises
+    unless ``replace`` (the built-in names cannot be replaced)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"env name must be a non-empty str, got {name!r}")
+    if not isinstance(spec, EnvSpec):
+        raise TypeError(f"spec must be an EnvSpec, got {type(spec).__name__}")
+    if name in _BUILTIN_SPECS or (name in ENV_SPECS and not replace):
+        raise ValueError(
+            f"env name {name!r} is already registered"
+            + ("" if name in _BUILTIN_SPECS else " (pass replace=True to replace it)")
+            + f"; registered: {sorted(ENV_SPECS)}"
+        )
+    ENV_SPECS[name] = spec
 
 
 def env_spec(name: str) -> EnvSpec:

@@ -6,6 +6,15 @@ are ready, asks the ``LLMAgent`` for all their actions in one batched generation
 the episodes that finished -- first-ready, so a long episode never holds up a short one. An episode whose
 env worker failed comes back too, its trajectory marked with ``info["error"]``.
 
+Batch window. The backend serves one call at a time, and a call costs about the same for one row as for
+many (a batched engine decodes every row in the same steps). An episode whose env step ends just after a
+call started waits for that whole call and then for its own, so generating for whatever is ready splits the
+episodes into cohorts that take turns at the backend -- each turn then costs up to a whole call more (with
+env steps much shorter than a call, about twice as long). So after the first ready result ``poll`` waits for
+the env steps still in flight, up to twice the typical env step and never longer than a typical call
+(running averages of both), and generates for all of them at once; a slow env step (a long tool call) is
+not waited for.
+
 Determinism. A job's env seed and the agent's episode id derive from the job's ``key`` (the ticket's
 dispatch index), never from the order in which results arrive. With ``lockstep=True`` ``poll`` waits for
 every pending sub-env before generating, so the batches the backend sees are the same from run to run and a
@@ -78,6 +87,13 @@ class Rollouts:
         """Wall time spent inside the agent's generation calls."""
         self.generated_tokens = 0
         """Action tokens generated so far, finished or not."""
+        self._slot_seconds = 0.0
+        self._slots_since = time.perf_counter()
+        self.batch_window = True
+        """Wait briefly for the env steps in flight before generating (module doc); ``False``: generate for
+        whatever is ready (an ablation)."""
+        self._step_seconds = 0.0  # running averages (batch window, module doc)
+        self._call_seconds = 0.0
 
     # -- queries ------------------------------------------------------------------------------------------
     @property
@@ -88,6 +104,18 @@ class Rollouts:
     def running(self) -> list[Job]:
         """Jobs in flight, in start order."""
         return [r.job for r in sorted(self._running.values(), key=lambda r: r.job.key)]
+
+    def occupied_slot_seconds(self) -> float:
+        """Sub-env seconds spent holding a running job so far (the integral of ``len(running)`` over time):
+        over a window, divided by ``num_envs`` x its length, the rollout slots' utilization."""
+        self._count_slots()
+        return self._slot_seconds
+
+    def _count_slots(self) -> None:
+        """Close the current interval of constant occupancy (called before every change of it)."""
+        now = time.perf_counter()
+        self._slot_seconds += len(self._running) * (now - self._slots_since)
+        self._slots_since = now
 
     def running_tokens(self) -> int:
         """Action tokens generated so far by jobs still in flight."""
@@ -100,6 +128,7 @@ class Rollouts:
             raise ValueError(f"{len(jobs)} jobs but only {self.free_slots} free sub-envs")
         busy = {r.env_id for r in self._running.values()}
         free = [i for i in range(self.venv.num_envs) if i not in busy]
+        self._count_slots()
         for job, env_id in zip(jobs, free, strict=False):
             (episode_id,) = self.venv.reset_async(
                 [env_id],
@@ -119,6 +148,9 @@ class Rollouts:
             return []
         wait_for = self.venv.num_pending if self.lockstep else 1
         results = self.venv.recv(timeout=timeout, min_ready=wait_for)
+        window = min(self._call_seconds, 2.0 * self._step_seconds)
+        if self.batch_window and results and window > 0 and self.venv.num_pending:
+            results += self.venv.recv(timeout=window, min_ready=self.venv.num_pending)
         finished: list[Finished] = []
         to_act: list[tuple[_Running, EnvResult]] = []
         for result in results:
@@ -129,6 +161,8 @@ class Rollouts:
             if not result.is_reset:
                 run.steps += 1
                 run.reward += float(result.reward)
+                if result.error is None:
+                    self._step_seconds = _average(self._step_seconds, result.env_seconds)
             if result.done:
                 finished.append(self._finish(result, run))
             else:
@@ -140,7 +174,9 @@ class Rollouts:
             actions = self.agent.act(
                 [r.obs for _, r in to_act], [r.info for _, r in to_act], [run.job.key for run, _ in to_act]
             )
-            self.generation_seconds += time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            self.generation_seconds += seconds
+            self._call_seconds = _average(self._call_seconds, seconds)
             self.generated_tokens += self._tokens_of([run for run, _ in to_act]) - before
             for (run, _), action in zip(to_act, actions, strict=True):
                 self.venv.send([run.env_id], [action])
@@ -150,6 +186,7 @@ class Rollouts:
         return sum(self.agent.action_tokens(run.job.key) for run in runs)
 
     def _finish(self, result: EnvResult, run: _Running) -> Finished:
+        self._count_slots()
         del self._running[result.episode_id]
         job = run.job
         if job.key in self.agent.active_episodes:
@@ -178,10 +215,16 @@ class Rollouts:
         jobs = self.running
         for run in self._running.values():
             self.agent.discard(run.job.key)
+        self._count_slots()
         self._running.clear()
         while self.venv.num_pending:
             self.venv.recv(timeout=60.0, min_ready=self.venv.num_pending)
         return jobs
+
+
+def _average(mean: float, value: float, weight: float = 0.2) -> float:
+    """Exponential running average (the first value starts it)."""
+    return value if mean == 0.0 else (1 - weight) * mean + weight * value
 
 
 def collect(rollouts: Rollouts, jobs: Sequence[Job], progress: Any = None) -> list[Finished]:

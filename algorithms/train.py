@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from streamrl.agents.base import SamplingParams, derive_seed
+from streamrl.agents.base import GenerationBackend, SamplingParams, derive_seed
 from streamrl.agents.llm_agent import LLMAgent
 from streamrl.agents.trajectory import Trajectory
 from streamrl.algorithms.base import Algorithm, Episode, SetupContext, algorithm_class, make_algorithm
@@ -205,12 +205,21 @@ class Trainer:
         config: TrainConfig,
         *,
         algorithm: Algorithm | None = None,
+        backend: GenerationBackend | None = None,
+        on_update: Callable[[int, Sequence[Episode]], None] | None = None,
         resume: bool = False,
         log: Callable[[str], None] = print,
         progress: bool = True,
     ) -> None:
+        """``backend``: serve rollouts with this backend (e.g. ``streamrl.agents.latency.LatencyBackend``)
+        instead of the one ``config.backend`` names; it must serve the model's tokenizer and accept the
+        published policy (``set_adapter``, ``score``, and ``.model`` for fully fine-tuned weights). The trainer
+        closes it. ``on_update(version, batch)``: called before each update with the policy version the update
+        starts from and the episodes it trains (tests, benchmarks, custom logging)."""
         self.log = log
         self.show_progress = progress
+        self._given_backend = backend
+        self.on_update = on_update
         if algorithm is not None:
             self._check_given_algorithm(config, algorithm)
         self.algorithm = algorithm if algorithm is not None else self._make_algorithm(config)
@@ -360,7 +369,7 @@ class Trainer:
             self.algorithm.setup(context)
         except ValueError as exc:  # e.g. SAO's critic_init does not fit the starting model
             raise ConfigError(f"{self.algorithm.name}: {exc}") from exc
-        self.backend = self._make_backend()
+        self.backend = self._given_backend if self._given_backend is not None else self._make_backend()
         max_new = c.max_new_tokens or self.spec.max_new_tokens
         self.sampling = SamplingParams(
             temperature=c.temperature, max_new_tokens=max_new, seed=derive_seed(c.seed, "sampling")
@@ -417,6 +426,7 @@ class Trainer:
         self.generator_busy = 0.0
         self.learner_busy = 0.0
         self.started = time.perf_counter()
+        self._slots_at_row = (self.started, 0.0)  # (time, occupied slot-seconds) at the previous row
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.probe = self._probe_sequence()
 
@@ -650,6 +660,8 @@ class Trainer:
     def _train_on(self, batch: list[Episode], pool: ThreadPoolExecutor | None) -> dict[str, Any]:
         version = self.tracker.version
         staleness = Counter(version - e.min_version for e in batch)
+        if self.on_update is not None:
+            self.on_update(version, batch)
         started = time.perf_counter()
         trains_policy = self.algorithm.train_policy(self.updates)  # False: e.g. SAO's critic-only warm-up
         advantages = self.algorithm.advantages(batch) if trains_policy else []
@@ -773,9 +785,22 @@ class Trainer:
             "time/generation_s": self.rollouts.generation_seconds,
             "throughput/trajectories_per_s": self.ledger.trained / elapsed,
             "throughput/action_tokens_per_s": self.rollouts.generated_tokens / elapsed,
+            **self._slot_utilization(),
         }
         row.update(self._ledger_row())
         return row
+
+    def _slot_utilization(self) -> dict[str, float]:
+        """Occupied rollout slot-seconds so far, and the fraction of the slots that held a running episode
+        since the previous row (the generator's utilization; learner and evaluation time included)."""
+        now, occupied = time.perf_counter(), self.rollouts.occupied_slot_seconds()
+        then, before = self._slots_at_row
+        self._slots_at_row = (now, occupied)
+        window = self.config.num_envs * (now - then)
+        return {
+            "time/rollout_slot_s": occupied,
+            "throughput/slot_utilization": (occupied - before) / window if window > 0 else 0.0,
+        }
 
     def _ledger_row(self) -> dict[str, int]:
         buffered = self.buffer + [m for members in self.groups.values() for m in members]
@@ -1027,8 +1052,14 @@ class Trainer:
 
 
 def train(
-    config: TrainConfig, *, algorithm: Algorithm | None = None, resume: bool = False, progress: bool = True
+    config: TrainConfig,
+    *,
+    algorithm: Algorithm | None = None,
+    backend: GenerationBackend | None = None,
+    resume: bool = False,
+    progress: bool = True,
 ) -> dict[str, Any]:
-    """Run ``config`` to completion (or resume it) and return the trainer's summary."""
-    trainer = Trainer(config, algorithm=algorithm, resume=resume, progress=progress)
+    """Run ``config`` to completion (or resume it) and return the trainer's summary (``backend``: see
+    ``Trainer``)."""
+    trainer = Trainer(config, algorithm=algorithm, backend=backend, resume=resume, progress=progress)
     return trainer.run()

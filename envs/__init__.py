@@ -21,6 +21,7 @@ from gymnasium.envs.registration import register, registry
 _ENVS = {
     "MathTIR-v0": "streamrl.envs.math_tir:MathTIREnv",
     "ALFWorld-v0": "streamrl.envs.alfworld:ALFWorldEnv",
+    "Latency-v0": "streamrl.envs.latency:LatencyEnv",
 }
 
 
