@@ -49,7 +49,6 @@ from streamrl.algorithms.runtime import Finished, Job, Rollouts, collect
 from streamrl.algorithms.tracker import EventTracker, Ticket
 from streamrl.envs.cache import atomic_write_text
 
-EnvName = Literal["math_tir", "alfworld"]
 BackendName = Literal["hf", "vllm"]
 Init = Literal["sft", "base"]
 EnvWorkers = Literal["subprocess", "inprocess"]
@@ -61,8 +60,8 @@ class TrainConfig:
 
     out: str = ""
     """Run directory (required)."""
-    env: EnvName = "math_tir"
-    """``"math_tir"`` or ``"alfworld"``."""
+    env: str = "math_tir"
+    """``"math_tir"``, ``"alfworld"``, or a name given to ``agents.env_specs.register_env_spec``."""
     algo: str = "spo++"
     """``spo``, ``spo++``, ``grpo``, ``sao``, or ``module:Class`` / ``file.py:Class`` for your own."""
     model: str = "tiny"
