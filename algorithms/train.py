@@ -393,13 +393,11 @@ class Trainer:
                     f"tasks={c.tasks} must be in [1, {len(task_ids)}] (the {c.env} training tasks)"
                 )
             task_ids = task_ids[: c.tasks]
-        cap = self.algorithm.config.group_size if self.algorithm.config.batch_rule == "groups" else 1
         if self.algorithm.config.batch_rule != "groups" and c.batch > len(task_ids):
             raise ConfigError(
                 f"batch={c.batch} is larger than the task set ({len(task_ids)} tasks): with one request in flight "
                 "per task a batch could never fill; lower batch or raise tasks"
             )
-        del cap
         self.task_ids = task_ids
         self.tracker = EventTracker(task_ids, self.algorithm.tracker_config(derive_seed(c.seed, "tracker")))
         workers = VectorEnvConfig(backend=c.env_workers)

@@ -65,13 +65,18 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--eval-episodes", type=int, default=200)
     parser.add_argument("--jobs", type=int, default=1, help="runs at once (one torch thread each)")
+    parser.add_argument(
+        "--no-controls",
+        action="store_true",
+        help="skip the lr-0 runs (a frozen policy's held-out success is the update-0 evaluation: same seeds)",
+    )
     parser.add_argument("--runs-dir", type=Path, default=Path("runs/bench_learning"))
     parser.add_argument("--output", type=Path, default=RESULTS / "learning.json")
     parser.add_argument("extra", nargs="*", help="more streamrl train flags (after --)")
     args = parser.parse_args()
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    plan = [(seed, lr) for seed in args.seeds for lr in (args.lr, 0.0)]
+    plan = [(seed, lr) for seed in args.seeds for lr in ((args.lr,) if args.no_controls else (args.lr, 0.0))]
     outs = {key: args.runs_dir / f"{stamp}-{args.algo}-{args.env}-seed{key[0]}-lr{key[1]:g}" for key in plan}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     started = time.perf_counter()
@@ -97,7 +102,8 @@ def main() -> None:
     runs = {f"seed{seed}-lr{lr:g}": _read(outs[(seed, lr)]) for seed, lr in plan}
     seeds = {}
     for seed in args.seeds:
-        learn, control = runs[f"seed{seed}-lr{args.lr:g}"], runs[f"seed{seed}-lr0"]
+        learn = runs[f"seed{seed}-lr{args.lr:g}"]
+        control = runs.get(f"seed{seed}-lr0", {"before": learn["before"], "after": learn["before"]})
         seeds[str(seed)] = {
             "before": learn["before"],
             "after": learn["after"],
