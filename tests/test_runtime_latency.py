@@ -5,12 +5,12 @@ window that keeps episodes from splitting into cohorts that take turns at the ba
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import gymnasium as gym
 import pytest
 import streamrl.envs  # noqa: F401 - registers the env ids
-from streamrl.agents.env_specs import make_env, register_env_spec, task_ids_of
+from streamrl.agents.env_specs import ENV_SPECS, make_env, register_env_spec, task_ids_of
 from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
 from streamrl.agents.latency import LatencyBackend, LatencyBackendConfig, LatencyPrompt, latency_env_spec
 from streamrl.agents.llm_agent import ContextPolicy, LLMAgent
@@ -23,6 +23,15 @@ from streamrl.envs.vector import StreamingVectorEnv, VectorEnvConfig
 
 # Long-tailed: most episodes take 1-3 turns, one in eleven takes 14, so a long episode spans several versions.
 TURNS = {1: 4, 2: 3, 3: 2, 6: 1, 14: 1}
+
+
+@pytest.fixture(autouse=True)
+def _registered_specs_stay_in_this_module() -> Iterator[None]:
+    """Env specs registered by a test are removed after it: other modules see the built-in envs only."""
+    saved = dict(ENV_SPECS)
+    yield
+    ENV_SPECS.clear()
+    ENV_SPECS.update(saved)
 
 
 @pytest.fixture(scope="module")
