@@ -53,8 +53,8 @@ class LearnerConfig:
     below ``full_finetune_max_params`` parameters, LoRA above."""
     full_finetune_max_params: int = 50_000_000
     """The ``"auto"`` threshold."""
-    lr: float | None = None
-    """AdamW peak learning rate; ``None`` = 1e-4 for full fine-tuning, 1e-4 for LoRA."""
+    lr: float = 1e-4
+    """AdamW peak learning rate (1e-4 suits ``tiny``, full or LoRA; the SPO++ paper uses 1e-6 on 0.8B-2B models)."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay (SPO++ App. A uses 0.1 at lr 1e-6)."""
     warmup_steps: int = 0
@@ -82,7 +82,7 @@ class LearnerConfig:
             raise ValueError(f"finetune must be 'auto', 'full' or 'lora', got {self.finetune!r}")
         if self.schedule not in ("cosine", "constant"):
             raise ValueError(f"schedule must be 'cosine' or 'constant', got {self.schedule!r}")
-        if self.lr is not None and self.lr < 0:
+        if self.lr < 0:
             raise ValueError(f"lr must be >= 0, got {self.lr}")
         for name in ("mini_batches", "epochs", "micro_batch_tokens"):
             if getattr(self, name) < 1:
@@ -96,9 +96,6 @@ class LearnerConfig:
         if self.finetune != "auto":
             return self.finetune
         return "full" if num_params < self.full_finetune_max_params else "lora"
-
-    def resolved_lr(self, finetune: str) -> float:
-        return self.lr if self.lr is not None else 1e-4
 
 
 def _device(name: str) -> torch.device:
@@ -209,7 +206,7 @@ class Learner:
         self.model = model.to(self.device)
         self.model.eval()  # no dropout in rollouts or scoring; the loss is the same function in training
         self.params = list(trainable_parameters(self.model))
-        self.lr = self.config.resolved_lr(self.finetune)
+        self.lr = self.config.lr
         self.optimizer = torch.optim.AdamW(self.params, lr=self.lr, weight_decay=self.config.weight_decay)
         self.total_steps = max(1, total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
