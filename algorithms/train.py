@@ -16,7 +16,8 @@ Generation and learning alternate with the in-process HF backend (one process, a
 a backend in another process (vLLM) generation goes on while the learner updates (``overlap``).
 
 The run directory holds ``config.json``, ``metrics.jsonl`` (one row per update, with a periodic evaluation on
-fixed held-out tasks and the closed ledger), TensorBoard event files, ``policy/v<k>`` (published versions,
+fixed held-out tasks -- its per-episode records in ``evals/update-<n>.jsonl``, and from the second on its
+paired difference to the first -- and the closed ledger), TensorBoard event files, ``policy/v<k>`` (published versions,
 the last few kept), and ``checkpoint/`` (learner, optimizer, scheduler, tracker, algorithm, buffer, tickets
 in flight, counters, RNG). ``resume=True`` continues a killed run from its last checkpoint: every ticket
 that was in flight is played again, finished-but-untrained episodes are kept.
@@ -917,16 +918,44 @@ class Trainer:
             done = collect(side, jobs)
         finally:
             side.venv.close()
-        wins = [float(item.trajectory.won) for item in done]
+        records = [
+            {
+                "key": item.job.key,
+                "task_id": item.job.task_id,
+                "won": bool(item.trajectory.won),
+                "reward": float(item.trajectory.reward),
+                "steps": len(item.trajectory.turns),
+                "action_tokens": item.trajectory.num_action_tokens,
+            }
+            for item in sorted(done, key=lambda item: item.job.key)
+        ]
+        evals = self.run_dir / "evals"
+        evals.mkdir(exist_ok=True)
+        atomic_write_text(
+            evals / f"update-{self.updates:05d}.jsonl", "".join(json.dumps(r) + "\n" for r in records)
+        )
+        wins = [float(r["won"]) for r in records]
         p = sum(wins) / len(wins)
-        return {
+        row = {
             "eval/success": p,
             "eval/stderr": math.sqrt(p * (1 - p) / len(wins)),
-            "eval/reward": sum(item.trajectory.reward for item in done) / len(done),
-            "eval/episodes": float(len(done)),
+            "eval/reward": sum(r["reward"] for r in records) / len(records),
+            "eval/episodes": float(len(records)),
             "eval/version": float(self.tracker.version),
             "eval/seconds": time.perf_counter() - started,
         }
+        start = evals / "update-00000.jsonl"
+        if self.updates and start.is_file():
+            # paired with the start's evaluation: the same tasks and episode seeds, so the per-episode
+            # differences cancel most of the sampling noise (normal interval on their mean)
+            before = [float(json.loads(line)["won"]) for line in start.read_text().splitlines()]
+            if len(before) == len(wins):
+                diffs = [a - b for a, b in zip(wins, before, strict=True)]
+                mean = sum(diffs) / len(diffs)
+                var = sum((d - mean) ** 2 for d in diffs) / max(1, len(diffs) - 1)
+                row["eval/delta"] = mean
+                row["eval/delta_ci95"] = 1.96 * math.sqrt(var / len(diffs))
+        return row
 
     # -- checkpoints -------------------------------------------------------------------------------------------
     def _install_signals(self) -> dict[int, Any]:

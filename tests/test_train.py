@@ -592,6 +592,38 @@ def test_any_rule_trains_old_work_within_max_staleness(primed: Path, tmp_path: P
     assert any(len(set(action_versions(e))) > 1 for e in old)  # some finished after a publication
 
 
+def read_evals(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
+    return {
+        int(f.stem.removeprefix("update-")): [json.loads(line) for line in f.read_text().splitlines()]
+        for f in sorted((run_dir / "evals").glob("update-*.jsonl"))
+    }
+
+
+@pytest.mark.parametrize("lr", [0.0, 1e-2])
+def test_held_out_evaluation_is_paired_across_versions(lr: float, primed: Path, tmp_path: Path) -> None:
+    """Every evaluation plays the same tasks under the same episode keys, so a frozen policy (lr 0) scores
+    the same episodes identically and its paired difference to the start is exactly 0; a learning one is
+    compared episode by episode."""
+    config = run_config(
+        tmp_path / "run", primed, algo="spo", updates=2, eval_every=1, eval_episodes=6,
+        learner=LearnerConfig(lr=lr),
+    )  # fmt: skip
+    run = train(config)
+    evals = read_evals(run.trainer.run_dir)
+    assert sorted(evals) == [0, 1, 2]
+    episodes = [[(r["key"], r["task_id"]) for r in records] for records in evals.values()]
+    assert episodes[0] == episodes[1] == episodes[2] and len(episodes[0]) == 6
+    rows = {r["update"]: r for r in run.rows}
+    for update in (1, 2):
+        wins = [float(r["won"]) for r in evals[update]]
+        start = [float(r["won"]) for r in evals[0]]
+        assert rows[update]["eval/success"] == pytest.approx(sum(wins) / 6)
+        assert rows[update]["eval/delta"] == pytest.approx((sum(wins) - sum(start)) / 6)
+        if lr == 0.0:
+            assert evals[update] == evals[0]
+            assert rows[update]["eval/delta"] == 0.0 and rows[update]["eval/delta_ci95"] == 0.0
+
+
 # ---------------------------------------------------------------------------------------------------------
 # 8. Publication pitfalls
 # ---------------------------------------------------------------------------------------------------------
