@@ -427,11 +427,15 @@ def parse_compare_args(argv: Sequence[str]) -> Any:
     from streamrl.evaluation.compare import CompareConfig
 
     parser = _parser("compare", CompareConfig.__doc__)
-    parser.add_argument("runs", nargs="+", type=Path, help=field_docs(CompareConfig)["runs"].replace("%", "%%"))
+    parser.add_argument(
+        "runs", nargs="+", type=Path, help=field_docs(CompareConfig)["runs"].replace("%", "%%")
+    )
     add_dataclass_arguments(parser, CompareConfig, exclude=("runs",))
     args = parser.parse_args(list(argv))
     try:
-        return dataclass_from_dict(CompareConfig, {"runs": tuple(args.runs), **given_arguments(CompareConfig, args)})
+        return dataclass_from_dict(
+            CompareConfig, {"runs": tuple(args.runs), **given_arguments(CompareConfig, args)}
+        )
     except (TypeError, ValueError) as error:
         parser.error(str(error))
 
@@ -473,8 +477,14 @@ def _build(parser: argparse.ArgumentParser, cls: type[T], args: argparse.Namespa
 COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
     "demo": ("play Math-TIR with the scripted solver through the real sandbox", _demo),
     "train": ("train a policy (SPO, SPO++, GRPO, SAO or your own) on the single-stream runtime", _train),
-    "eval": ("evaluate an agent on an env's splits (success with intervals, pass@k, breakdowns, paired)", _eval),
-    "compare": ("compare training runs: learning-curve metrics (SPO++ Table 1), plots and a report", _compare),
+    "eval": (
+        "evaluate an agent on an env's splits (success with intervals, pass@k, breakdowns, paired)",
+        _eval,
+    ),
+    "compare": (
+        "compare training runs: learning-curve metrics (SPO++ Table 1), plots and a report",
+        _compare,
+    ),
     "sft": ("behaviour-clone a model on expert trajectories (SFT cold start), then evaluate it", _sft),
     "value-pretrain": (
         "fit SAO's critic on rollouts of the initial policy (SAOConfig.critic_init)",

@@ -114,8 +114,11 @@ def load_curve(run: str | Path, column: str = HELD_OUT) -> Curve:
     Raises ``ValueError`` naming the numeric columns the run has when no row holds ``column`` (a run with
     ``--eval-every 0`` has no ``eval/success``)."""
     rows = read_metrics(run)
-    points = [(int(row.get("update", 0)), _number(row.get(column))) for row in rows]
-    kept = [(u, v) for u, v in points if v is not None]
+    kept: list[tuple[int, float]] = []
+    for row in rows:
+        value = _number(row.get(column))
+        if value is not None:
+            kept.append((int(row.get("update", 0)), value))
     if not kept:
         available = [c for c in numeric_columns(rows) if c.split("/")[0] in ("eval", "batch", "learner")]
         raise ValueError(
@@ -129,7 +132,7 @@ def load_curve(run: str | Path, column: str = HELD_OUT) -> Curve:
         Path(run),
         column,
         tuple(u for u, _ in kept),
-        tuple(v for _, v in kept),  # type: ignore[misc]
+        tuple(v for _, v in kept),
         int(seed) if isinstance(seed, int) else None,
         str(config["algo"]) if "algo" in config else None,
     )
@@ -223,11 +226,11 @@ def pair_curves(
                 )
         if set(seeds_a) != set(seeds_b):
             raise ValueError(
-                f"matched runs need the same seeds on both sides: {sorted(seeds_a)} vs {sorted(seeds_b)} "  # type: ignore[type-var]
-                "(use pairing='order' to pair by position)"
+                f"matched runs need the same seeds on both sides: {sorted(seeds_a, key=str)} vs "
+                f"{sorted(seeds_b, key=str)} (use pairing='order' to pair by position)"
             )
         by_seed = {c.seed: c for c in b}
-        pairs = [(c, by_seed[c.seed]) for c in sorted(a, key=lambda c: c.seed)]  # type: ignore[arg-type, return-value]
+        pairs = [(c, by_seed[c.seed]) for c in sorted(a, key=lambda c: c.seed or 0)]
     else:
         raise ValueError(f"pairing must be 'seed' or 'order', got {pairing!r}")
     out = []
@@ -325,11 +328,10 @@ def compare_curves(a: Sequence[Curve], b: Sequence[Curve], pairing: Pairing = "s
     mb = [curve_metrics(y.values) for _, y in pairs]
     diff: dict[str, Spread] = {}
     for name in CURVE_METRICS:
-        diffs = [
-            x[name] - y[name]
-            for x, y in zip(ma, mb, strict=True)
-            if x[name] is not None and y[name] is not None
-        ]  # type: ignore[operator]
+        diffs: list[float | None] = []
+        for x, y in zip(ma, mb, strict=True):
+            vx, vy = x[name], y[name]
+            diffs.append(None if vx is None or vy is None else vx - vy)
         diff[name] = Spread.of(diffs)
     return PairedComparison(
         column=pairs[0][0].column,

@@ -125,7 +125,7 @@ class AgentSpec:
                     )
                 version = int(suffix)
             return cls("run", name, version=version)
-        return cls(kind, name, policy=suffix if at else None)  # type: ignore[arg-type]
+        return cls("sft" if kind == "sft" else "model", name, policy=suffix if at else None)
 
     def __str__(self) -> str:
         if self.kind == "expert":
@@ -703,10 +703,11 @@ def run_evaluation(config: EvalConfig, log: Callable[[str], None] | None = None)
                 [EpisodeRecord.from_dict(r) for r in x["episodes"] if r["temperature"] == temperature]
                 for x in agents
             )
-            for metric in ("success", "reward"):
+            metrics: tuple[Literal["success", "reward"], ...] = ("success", "reward")
+            for metric in metrics:
                 if len(a) < 2:
                     continue
-                diff = paired_difference(a, b, metric)  # type: ignore[arg-type]
+                diff = paired_difference(a, b, metric)
                 report["paired"].append(
                     {
                         "temperature": temperature,
