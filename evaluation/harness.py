@@ -767,7 +767,7 @@ def format_report(report: Mapping[str, Any]) -> str:
     then the paired differences."""
     lines = [
         f"env {report['env']}, splits {report['splits']} (tasks: {report['tasks']}), "
-        f"seeds {report['config']['seeds']}, {report['config']['samples']} samples per task and seed when sampling"
+        f"seeds {report['config']['seeds']}, episodes per task and seed when sampling: {report['config']['samples']}"
     ]
     for agent in report["agents"]:
         ks = sorted({k for res in agent["results"] for k in res["summary"]["pass_at_k"]}, key=int)
