@@ -39,6 +39,7 @@ from streamrl.evaluation.curves import (
     summarize_curves,
     summary_table,
 )
+from streamrl.evaluation.stats import sample_sd
 
 
 @dataclass(frozen=True)
@@ -121,13 +122,8 @@ def _mean_and_se(
     means, ses = [], []
     for u in xs:
         vals = at[u]
-        mean = sum(vals) / len(vals)
-        means.append(mean)
-        if len(vals) > 1:
-            sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
-            ses.append(sd / math.sqrt(len(vals)))
-        else:
-            ses.append(0.0)
+        means.append(sum(vals) / len(vals))
+        ses.append(sample_sd(vals) / math.sqrt(len(vals)) if len(vals) > 1 else 0.0)
     return xs, means, ses
 
 
@@ -193,15 +189,18 @@ def plot_learning_curves(
         ax.set_ylabel(column)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(_LEGEND, fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 _LEGEND = "thin: single runs; thick: their mean, shaded ±1 standard error across runs; dashed: trailing mean"
+
+
+def _save(plt: Any, fig: Any, path: str | Path) -> Path:
+    fig.suptitle(_LEGEND, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(Path(path), dpi=110)
+    plt.close(fig)
+    return Path(path)
 
 
 def plot_diagnostics(groups: Mapping[str, Sequence[str | Path]], path: str | Path, trailing: int = 5) -> Path:
@@ -223,12 +222,7 @@ def plot_diagnostics(groups: Mapping[str, Sequence[str | Path]], path: str | Pat
         ax.grid(alpha=0.3)
         if drawn:
             ax.legend(fontsize=7)
-    fig.suptitle(_LEGEND, fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def _labels(config: CompareConfig) -> list[str]:
