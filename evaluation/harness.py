@@ -332,6 +332,8 @@ class EvalConfig:
     """Keyword arguments of the env over its spec's (Python / config only); ``{}``: a ``run:`` agent's own."""
 
     def __post_init__(self) -> None:
+        if not self.agent:
+            raise ValueError(f"agent is required; forms: {AGENT_FORMS}")
         for name in ("samples", "num_envs", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
