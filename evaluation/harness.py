@@ -46,6 +46,7 @@ from typing import Any, Literal
 from streamrl.agents.base import Agent, EpisodeId, GenerationBackend, SamplingParams, derive_seed
 from streamrl.agents.env_specs import env_spec, play_tasks
 from streamrl.agents.trajectory import Trajectory, TurnRecord
+from streamrl.evaluation.curves import run_config
 from streamrl.evaluation.stats import MeanInterval, pass_at_k, t_interval, wilson_interval
 
 # ----------------------------------------------------------------------------------------------------------
@@ -162,11 +163,10 @@ def policy_version(run: str | Path, version: int | None) -> int:
 
 def read_run_config(run: str | Path) -> dict[str, Any]:
     """Run ``run``'s ``config.json``; ``FileNotFoundError`` naming the path if it is not a run directory."""
-    path = Path(run) / "config.json"
-    if not path.is_file():
+    if not (Path(run) / "config.json").is_file():
         what = "no such directory" if not Path(run).is_dir() else "no config.json in it"
         raise FileNotFoundError(f"run {str(run)!r}: {what} (not a `streamrl train` run directory)")
-    return dict(json.loads(path.read_text()))
+    return run_config(run)
 
 
 @dataclass
