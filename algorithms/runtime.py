@@ -28,14 +28,38 @@ held-out evaluation).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from streamrl.agents.base import derive_seed
-from streamrl.agents.llm_agent import LLMAgent
+from streamrl.agents.base import EpisodeId, derive_seed
 from streamrl.agents.trajectory import Trajectory
 from streamrl.envs.vector import EnvResult, StreamingVectorEnv
+
+
+class RolloutAgent(Protocol):
+    """What ``Rollouts`` needs of its agent: an ``LLMAgent``, or any agent that keeps a ``Trajectory`` per
+    episode (the evaluation harness wraps scripted experts this way, ``streamrl.evaluation.harness``)."""
+
+    def begin_episode(
+        self, episode_id: EpisodeId, task_id: str | None = None, ticket: Any = None
+    ) -> None: ...
+
+    def act(
+        self,
+        observations: Sequence[str],
+        infos: Sequence[Mapping[str, Any]],
+        episode_ids: Sequence[EpisodeId],
+    ) -> list[str]: ...
+
+    def end_episode(self, episode_id: EpisodeId) -> Trajectory: ...
+
+    def discard(self, episode_id: EpisodeId) -> None: ...
+
+    def action_tokens(self, episode_id: EpisodeId) -> int: ...
+
+    @property
+    def active_episodes(self) -> list[EpisodeId]: ...
 
 
 @dataclass(frozen=True)
@@ -73,7 +97,7 @@ class Rollouts:
     def __init__(
         self,
         venv: StreamingVectorEnv,
-        agent: LLMAgent,
+        agent: RolloutAgent,
         *,
         seed: int = 0,
         lockstep: bool = False,

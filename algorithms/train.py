@@ -150,6 +150,21 @@ class ConfigError(ValueError):
     """A training config that cannot run; raised before any work starts."""
 
 
+def initial_model_dir(model: str, init: Init, env: str, log: Callable[[str], None] = print) -> Path:
+    """The model directory a run of ``env`` starts from: ``model``'s SFT checkpoint for ``env`` (``init="sft"``,
+    built and cached on first use) or ``model`` as it is (``init="base"``). A run's version 0 is this model,
+    so evaluating a run's start (``streamrl eval``) resolves it here too."""
+    from streamrl.agents.models import resolve_model
+
+    if init == "sft":
+        from streamrl.algorithms.sft import SFTConfig, sft_checkpoint
+
+        return Path(sft_checkpoint(SFTConfig.for_env(env, model=model), log=log))
+    if init != "base":
+        raise ValueError(f"init must be 'sft' or 'base', got {init!r}")
+    return Path(resolve_model(model))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Ledger: every dispatched trajectory and every generated action token is accounted for
 # ---------------------------------------------------------------------------------------------------------
@@ -333,17 +348,12 @@ class Trainer:
     # -- construction ----------------------------------------------------------------------------------------
     def _build(self) -> None:
         from streamrl.agents.env_specs import env_spec, make_env, task_ids_of
-        from streamrl.agents.models import load_model, load_tokenizer, resolve_model
-        from streamrl.algorithms.sft import SFTConfig, sft_checkpoint
+        from streamrl.agents.models import load_model, load_tokenizer
         from streamrl.envs.vector import StreamingVectorEnv, VectorEnvConfig
 
         c = self.config
         self.spec = env_spec(c.env)
-        if c.init == "sft":
-            model_dir = sft_checkpoint(SFTConfig.for_env(c.env, model=c.model), log=self.log)
-        else:
-            model_dir = resolve_model(c.model)
-        self.model_dir = Path(model_dir)
+        self.model_dir = initial_model_dir(c.model, c.init, c.env, log=self.log)
         self.tokenizer = load_tokenizer(self.model_dir)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(c.seed, "learner"))

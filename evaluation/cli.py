@@ -2,6 +2,8 @@
 
 streamrl demo                  play Math-TIR test problems with the scripted solver through the real sandbox
 streamrl train                 train a policy with SPO, SPO++, GRPO, SAO or your own algorithm
+streamrl eval                  evaluate an agent (a run's policy, a model, an SFT checkpoint, the expert); paired
+streamrl compare               compare training runs: SPO++ Table 1 metrics, learning curves, diagnostics, report
 streamrl sft                   behaviour-clone a model on expert trajectories (SFT cold start), then evaluate it
 streamrl value-pretrain        fit SAO's critic on rollouts of the initial policy (``--critic-init`` of a run)
 streamrl alfworld-generate     generate the offline ALFWorld game splits into the cache
@@ -22,7 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from streamrl.evaluation.config_cli import add_dataclass_arguments, dataclass_from_args, given_arguments
+from streamrl.evaluation.config_cli import (
+    add_dataclass_arguments,
+    dataclass_from_args,
+    dataclass_from_dict,
+    field_docs,
+    given_arguments,
+)
 
 if TYPE_CHECKING:  # imported when the subcommand runs: it needs torch
     from streamrl.algorithms.sft import SFTConfig
@@ -259,7 +267,7 @@ def parse_train_args(argv: Sequence[str]) -> tuple[TrainRunOptions, Any]:
     from streamrl.algorithms.base import algorithm_class
     from streamrl.algorithms.learner import LearnerConfig
     from streamrl.algorithms.train import TrainConfig
-    from streamrl.evaluation.config_cli import dataclass_from_dict, load_config_file
+    from streamrl.evaluation.config_cli import load_config_file
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--algo", default=None)
@@ -378,6 +386,75 @@ def _value_pretrain(argv: Sequence[str]) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# streamrl eval
+
+
+def parse_eval_args(argv: Sequence[str]) -> Any:
+    """``streamrl eval AGENT [--vs AGENT] [flags]``: the ``EvalConfig`` (the agent is positional)."""
+    from streamrl.evaluation.harness import EvalConfig
+
+    parser = _parser("eval", EvalConfig.__doc__)
+    parser.add_argument("agent", help=field_docs(EvalConfig)["agent"].replace("%", "%%"))
+    add_dataclass_arguments(parser, EvalConfig, exclude=("agent", "env_kwargs"))
+    args = parser.parse_args(list(argv))
+    try:
+        return dataclass_from_dict(EvalConfig, {"agent": args.agent, **given_arguments(EvalConfig, args)})
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
+
+
+def _eval(argv: Sequence[str]) -> int:
+    from streamrl.evaluation.harness import format_report, run_evaluation
+
+    config = parse_eval_args(argv)
+    try:
+        report = run_evaluation(config)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"streamrl eval: {error}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    if config.out is not None:
+        print(f"report (with every episode): {config.out}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# streamrl compare
+
+
+def parse_compare_args(argv: Sequence[str]) -> Any:
+    """``streamrl compare RUN... [--vs RUN...] --out DIR``: the ``CompareConfig`` (the runs are positional)."""
+    from streamrl.evaluation.compare import CompareConfig
+
+    parser = _parser("compare", CompareConfig.__doc__)
+    parser.add_argument(
+        "runs", nargs="+", type=Path, help=field_docs(CompareConfig)["runs"].replace("%", "%%")
+    )
+    add_dataclass_arguments(parser, CompareConfig, exclude=("runs",))
+    args = parser.parse_args(list(argv))
+    try:
+        return dataclass_from_dict(
+            CompareConfig, {"runs": tuple(args.runs), **given_arguments(CompareConfig, args)}
+        )
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
+
+
+def _compare(argv: Sequence[str]) -> int:
+    from streamrl.evaluation.compare import compare
+
+    config = parse_compare_args(argv)
+    try:
+        result = compare(config)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"streamrl compare: {error}", file=sys.stderr)
+        return 2
+    print(result["markdown"])
+    print(f"report: {result['report']}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Dispatch
 
 
@@ -400,6 +477,14 @@ def _build(parser: argparse.ArgumentParser, cls: type[T], args: argparse.Namespa
 COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
     "demo": ("play Math-TIR with the scripted solver through the real sandbox", _demo),
     "train": ("train a policy (SPO, SPO++, GRPO, SAO or your own) on the single-stream runtime", _train),
+    "eval": (
+        "evaluate an agent on an env's splits (success with intervals, pass@k, breakdowns, paired)",
+        _eval,
+    ),
+    "compare": (
+        "compare training runs: learning-curve metrics (SPO++ Table 1), plots and a report",
+        _compare,
+    ),
     "sft": ("behaviour-clone a model on expert trajectories (SFT cold start), then evaluate it", _sft),
     "value-pretrain": (
         "fit SAO's critic on rollouts of the initial policy (SAOConfig.critic_init)",

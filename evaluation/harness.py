@@ -1,18 +1,56 @@
-"""Evaluation: the success rate of an LLM agent on an env's split.
+"""The evaluation harness (``streamrl eval``): what an agent achieves on an env's splits, and how two compare.
 
-``evaluate`` plays the first tasks of a split with an ``LLMAgent`` built from the env's spec
-(``streamrl.agents.env_specs``: prompt format, context policy, generation budget), many episodes at a time
-so the backend generates for all of them in one call per turn, and reports the rates as a JSON-ready dict.
-The episode loop itself is ``streamrl.agents.rollout.play_lockstep``, which SFT model selection also uses.
+An agent is named by a short spec (``AgentSpec.parse``):
+
+==========================  =============================================================================
+``run:DIR``, ``run:DIR@K``  the policy run ``DIR`` published as version K (``policy/vK``; default: the latest
+                            on disk; ``@0`` is the model the run started from)
+``model:NAME[@POLICY]``     a registry model or local Hugging Face directory, optionally with a published
+                            policy (a LoRA adapter, or full fine-tuned weights) laid over it
+``sft:NAME[@POLICY]``       NAME's SFT checkpoint for the env (what ``streamrl train --init sft`` starts from;
+                            built and cached on first use); ``sft`` alone is ``tiny``'s
+``expert``                  the env's scripted expert (``EnvSpec.expert``: the Math-TIR solver, the ALFWorld
+                            search agent)
+==========================  =============================================================================
+
+The episodes. Each split contributes its first ``tasks`` tasks (those the env's spec trains and evaluates
+on, ``agents.env_specs.task_ids_of``); each task is played ``samples`` times for each of ``seeds`` at each
+sampling temperature (greedy, temperature 0, is played once per seed: its samples would repeat). An episode
+is named by (split, task id, seed, sample) and every random choice in it -- the env's reset seed and the
+agent's per-turn sampling seeds -- derives from that name alone, so two agents, or two invocations, play the
+same episodes: paired comparisons (``paired_difference``) need nothing else.
+
+They run on the streaming vector env through the trainer's runtime (``algorithms.runtime.Rollouts`` and
+``collect``, as the trainer's held-out evaluation does): the backend generates for every episode awaiting an
+action in one call. A scripted expert plays through the same runtime behind ``ScriptedRecorder``.
+
+The report (``run_evaluation``, a JSON-ready dict): per agent and temperature, the success rate with its
+Wilson 95 % interval, mean reward, unbiased pass@k (Chen et al. 2021) averaged over tasks, mean steps, action
+tokens and tool calls, the invalid-action rate, and the same per breakdown group -- the split (ALFWorld's seen
+vs unseen), ``task_type`` (ALFWorld's six task types, from the env's info), ``source`` and ``family`` (Math-TIR's
+task records); each agent's per-episode records; and, with a second agent, the paired differences.
+``format_report`` prints it as a table. Formulas: ``docs/evaluation.md``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import json
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
 
-from streamrl.agents.base import GenerationBackend, SamplingParams
+from streamrl.agents.base import Agent, EpisodeId, GenerationBackend, SamplingParams, derive_seed
 from streamrl.agents.env_specs import env_spec, play_tasks
+from streamrl.agents.trajectory import Trajectory, TurnRecord
+from streamrl.evaluation.curves import run_config
+from streamrl.evaluation.stats import MeanInterval, pass_at_k, t_interval, wilson_interval
+
+# ----------------------------------------------------------------------------------------------------------
+# The lock-step success rate SFT reports (kept for ``streamrl sft``)
 
 
 def evaluate(
@@ -30,7 +68,7 @@ def evaluate(
     one call per turn. ``sampling`` defaults to temperature 1 with the env's generation budget;
     ``env_kwargs`` go to every env (e.g. ``tasks=`` for a generated task set). Returns ``env``, ``split``,
     ``episodes``, ``success_rate``, ``valid_action_rate`` (valid actions per step), ``mean_steps`` and
-    ``seconds``.
+    ``seconds``. (``streamrl sft`` reports this; ``run_evaluation`` is the full harness.)
     """
     agent = env_spec(env_name).llm_agent(backend, sampling)
     played = play_tasks(agent, env_name, split, episodes, batch_size, env_kwargs)
@@ -43,3 +81,725 @@ def evaluate(
         "mean_steps": played.steps / max(1, played.episodes),
         "seconds": round(played.seconds, 1),
     }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Agents
+
+AgentKind = Literal["run", "model", "sft", "expert"]
+AGENT_FORMS = "run:DIR[@K], model:NAME[@POLICY_DIR], sft[:NAME][@POLICY_DIR], expert"
+DEFAULT_MODEL = "tiny"
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """An agent to evaluate (module doc): ``AgentSpec.parse("run:runs/x@4")``."""
+
+    kind: AgentKind
+    name: str = ""
+    """The run directory (``run``), or the model's registry name or directory (``model``, ``sft``)."""
+    version: int | None = None
+    """``run``: the published version to load; ``None`` = the latest on disk."""
+    policy: str | None = None
+    """``model`` / ``sft``: a published policy directory (adapter or full weights) over the model."""
+
+    @classmethod
+    def parse(cls, text: str) -> AgentSpec:
+        """The spec written as ``text`` (forms: ``AGENT_FORMS``); ``ValueError`` naming them otherwise."""
+        text = text.strip()
+        kind, _, rest = text.partition(":")
+        if text == "expert":
+            return cls("expert")
+        if kind == "sft" and not rest:
+            return cls("sft", DEFAULT_MODEL)
+        if kind not in ("run", "model", "sft") or not rest:
+            raise ValueError(f"unknown agent {text!r}; valid forms: {AGENT_FORMS}")
+        name, at, suffix = rest.rpartition("@") if "@" in rest else (rest, "", "")
+        if not name:
+            raise ValueError(f"agent {text!r} names no {'run directory' if kind == 'run' else 'model'}")
+        if kind == "run":
+            version = None
+            if at and suffix != "latest":
+                if not suffix.isdigit():
+                    raise ValueError(
+                        f"agent {text!r}: version {suffix!r} must be a number K (v K) or 'latest'"
+                    )
+                version = int(suffix)
+            return cls("run", name, version=version)
+        return cls("sft" if kind == "sft" else "model", name, policy=suffix if at else None)
+
+    def __str__(self) -> str:
+        if self.kind == "expert":
+            return "expert"
+        if self.kind == "run":
+            return f"run:{self.name}" + ("" if self.version is None else f"@{self.version}")
+        return f"{self.kind}:{self.name}" + ("" if self.policy is None else f"@{self.policy}")
+
+
+def run_versions(run: str | Path) -> list[int]:
+    """The policy versions run ``run`` has on disk (``policy/v<K>``), ascending; 0 (its initial model) first."""
+    root = Path(run) / "policy"
+    found = (
+        [int(p.name[1:]) for p in root.glob("v*") if p.is_dir() and p.name[1:].isdigit()]
+        if root.is_dir()
+        else []
+    )
+    return [0, *sorted(v for v in found if v > 0)]
+
+
+def policy_version(run: str | Path, version: int | None) -> int:
+    """``version`` of run ``run`` (``None``: its latest on disk), checked to be on disk: ``ValueError`` naming
+    the versions that are otherwise."""
+    versions = run_versions(run)
+    if version is None:
+        return versions[-1]
+    if version not in versions:
+        raise ValueError(
+            f"run {str(run)!r} has no policy version {version} on disk; available: {versions} (0 is the model "
+            "it started from; older versions are deleted as the run goes on, keep_versions)"
+        )
+    return version
+
+
+def read_run_config(run: str | Path) -> dict[str, Any]:
+    """Run ``run``'s ``config.json``; ``FileNotFoundError`` naming the path if it is not a run directory."""
+    if not (Path(run) / "config.json").is_file():
+        what = "no such directory" if not Path(run).is_dir() else "no config.json in it"
+        raise FileNotFoundError(f"run {str(run)!r}: {what} (not a `streamrl train` run directory)")
+    return run_config(run)
+
+
+@dataclass
+class LoadedAgent:
+    """An agent ready to play: an LLM backend (``backend``) or a scripted expert (``backend is None``)."""
+
+    spec: AgentSpec
+    description: str
+    backend: GenerationBackend | None = None
+
+    def close(self) -> None:
+        if self.backend is not None:
+            self.backend.close()
+
+
+def load_agent(
+    spec: AgentSpec, env: str, *, device: str = "auto", log: Callable[[str], None] = print
+) -> LoadedAgent:
+    """The backend ``spec`` names for ``env`` (``sft`` resolves the env's SFT checkpoint, a ``run`` its
+    starting model and published version; both as ``algorithms.train.initial_model_dir`` does)."""
+    from streamrl.algorithms.train import initial_model_dir
+
+    if spec.kind == "expert":
+        return LoadedAgent(spec, f"the {env} scripted expert")
+    if spec.kind == "run":
+        config = read_run_config(spec.name)
+        model_dir = initial_model_dir(str(config["model"]), config["init"], str(config["env"]), log=log)
+        version = policy_version(spec.name, spec.version)
+        policy = None if version == 0 else Path(spec.name) / "policy" / f"v{version}"
+        what = f"run {spec.name} at version {version} ({config['model']}, init {config['init']})"
+        return LoadedAgent(spec, what, _backend(model_dir, policy, version, device))
+    if spec.kind == "sft":
+        model_dir = initial_model_dir(spec.name, "sft", env, log=log)
+    else:
+        model_dir = initial_model_dir(spec.name, "base", env, log=log)
+    policy = None
+    if spec.policy is not None:
+        policy = Path(spec.policy)
+        if not policy.is_dir():
+            raise FileNotFoundError(f"agent {spec}: policy directory {spec.policy!r} does not exist")
+    what = (
+        f"{spec.name}"
+        + (f"'s SFT checkpoint for {env}" if spec.kind == "sft" else "")
+        + (f" with the policy {policy}" if policy is not None else "")
+    )
+    return LoadedAgent(spec, what, _backend(model_dir, policy, 1, device))
+
+
+def _backend(model_dir: Path, policy: Path | None, version: int, device: str) -> GenerationBackend:
+    """An HF backend serving ``model_dir``, or the published ``policy`` over it: a peft adapter is loaded onto
+    the model, full fine-tuned weights (what the trainer publishes for small models) replace it."""
+    from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
+    from streamrl.agents.models import load_tokenizer
+
+    config = HFBackendConfig(device=device)
+    if policy is None:
+        return HFBackend(model_dir, config=config)
+    if (policy / "adapter_config.json").is_file():
+        backend = HFBackend(model_dir, config=config)
+        backend.set_adapter(str(policy), version)
+        return backend
+    if not any(policy.glob("*.safetensors")):
+        raise FileNotFoundError(f"{policy} holds neither a peft adapter nor model weights (*.safetensors)")
+    return HFBackend(policy, tokenizer=load_tokenizer(model_dir), config=config)
+
+
+class ScriptedRecorder:
+    """A scripted ``Agent`` that keeps a ``Trajectory`` per episode (turns with their actions and the env's
+    verdicts, no tokens), so it runs on ``algorithms.runtime.Rollouts`` as an ``LLMAgent`` does."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self._pending: dict[EpisodeId, tuple[str | None, Any]] = {}
+        self._episodes: dict[EpisodeId, Trajectory] = {}
+
+    def begin_episode(self, episode_id: EpisodeId, task_id: str | None = None, ticket: Any = None) -> None:
+        self._pending[episode_id] = (task_id, ticket)
+
+    def act(
+        self,
+        observations: Sequence[str],
+        infos: Sequence[Mapping[str, Any]],
+        episode_ids: Sequence[EpisodeId],
+    ) -> list[str]:
+        for observation, info, eid in zip(observations, infos, episode_ids, strict=True):
+            trajectory = self._episodes.get(eid)
+            if trajectory is None:
+                task_id, ticket = self._pending.pop(eid, (None, None))
+                self._episodes[eid] = Trajectory(
+                    task_id=str(task_id or info.get("task_id", "")), ticket=ticket
+                )
+            else:  # the env's reply to the previous action (tool calls: set_outcome files the episode's total)
+                trajectory.turns[-1].observation = observation
+                if "action_valid" in info:
+                    trajectory.turns[-1].action_valid = bool(info["action_valid"])
+        actions = self.agent.act(observations, infos, episode_ids)
+        for eid, action in zip(episode_ids, actions, strict=True):
+            self._episodes[eid].turns.append(TurnRecord(action, action, -1, (0, 0), (0, 0)))
+        return actions
+
+    def end_episode(self, episode_id: EpisodeId) -> Trajectory:
+        self.agent.end_episode(episode_id)
+        return self._episodes.pop(episode_id)
+
+    def discard(self, episode_id: EpisodeId) -> None:
+        self._pending.pop(episode_id, None)
+        if self._episodes.pop(episode_id, None) is not None:
+            self.agent.end_episode(episode_id)
+
+    def action_tokens(self, episode_id: EpisodeId) -> int:
+        return 0
+
+    @property
+    def active_episodes(self) -> list[EpisodeId]:
+        return list(self._episodes)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Episodes and their records
+
+EnvWorkers = Literal["subprocess", "inprocess"]
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """``streamrl eval``: evaluate an agent (a run's policy at a version, a model with an optional policy, an
+    SFT checkpoint, or the env's scripted expert) on an env's splits, greedy and sampled; optionally against a
+    second agent on the same episodes (paired). Prints a table and writes a JSON report."""
+
+    agent: str = ""
+    """The agent: run:DIR[@K], model:NAME[@POLICY_DIR], sft[:NAME][@POLICY_DIR] or expert (required)."""
+    vs: str | None = None
+    """A second agent, played on the same episodes; the report adds the paired differences (agent − vs)."""
+    env: str | None = None
+    """Env name; ``None``: the run's env (a ``run:`` agent), else math_tir."""
+    splits: tuple[str, ...] = ()
+    """Splits to play; empty: the env's evaluation splits (Math-TIR: test; ALFWorld: eval_seen eval_unseen)."""
+    tasks: int | None = None
+    """Play the first N tasks of each split (``None``: all)."""
+    samples: int = 4
+    """Episodes per task and seed at a sampling temperature > 0 (pass@k needs k <= samples x seeds)."""
+    seeds: tuple[int, ...] = (0,)
+    """Evaluation seeds: each (task, seed, sample) episode's env and sampling seeds derive from them."""
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    """Sampling temperatures; 0 is greedy (one episode per task and seed)."""
+    pass_k: tuple[int, ...] = ()
+    """k of pass@k; empty: 1 and the episodes per task. Values above a mode's episodes per task are skipped."""
+    max_new_tokens: int | None = None
+    """Tokens per turn; ``None``: the run's setting, else the env's default."""
+    num_envs: int = 16
+    """Episodes in flight at once (sub-envs of the streaming vector env)."""
+    env_workers: EnvWorkers = "subprocess"
+    """Vector env workers: subprocess (default) or inprocess (debugging, tests)."""
+    device: str = "auto"
+    """torch device of the model (auto: cuda when available)."""
+    threads: int = 1
+    """torch threads (more only for a lone process)."""
+    out: Path | None = None
+    """Write the JSON report (with every episode's record) to this file."""
+    progress: bool = True
+    """Show a progress bar (``--no-progress`` for logs)."""
+    env_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the env over its spec's (Python / config only); ``{}``: a ``run:`` agent's own."""
+
+    def __post_init__(self) -> None:
+        if not self.agent:
+            raise ValueError(f"agent is required; forms: {AGENT_FORMS}")
+        for name in ("samples", "num_envs", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tasks is not None and self.tasks < 1:
+            raise ValueError(f"tasks must be >= 1 (or None: all), got {self.tasks}")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds must be distinct and at least one, got {self.seeds}")
+        if not self.temperatures or any(t < 0 for t in self.temperatures):
+            raise ValueError(
+                f"temperatures must be >= 0 (0 = greedy) and at least one, got {self.temperatures}"
+            )
+        if len(set(self.temperatures)) != len(self.temperatures):
+            raise ValueError(f"temperatures must be distinct, got {self.temperatures}")
+        if any(k < 1 for k in self.pass_k):
+            raise ValueError(f"pass_k values must be >= 1, got {self.pass_k}")
+
+    def samples_at(self, temperature: float) -> int:
+        """Episodes per task and seed at ``temperature`` (greedy: one)."""
+        return 1 if temperature == 0 else self.samples
+
+
+@dataclass(frozen=True)
+class EpisodeRecord:
+    """One played episode: its name (split, task, seed, sample), mode and outcome, kept in the report so that
+    agents can be compared episode by episode later (``paired_difference``)."""
+
+    split: str
+    task_id: str
+    seed: int
+    sample: int
+    temperature: float
+    """The mode it was played in (a scripted agent ignores the temperature but plays the mode's episodes)."""
+    success: bool
+    reward: float
+    steps: int
+    action_tokens: int
+    tool_calls: int
+    invalid_actions: int
+    groups: dict[str, str] = field(default_factory=dict)
+    """Breakdown attributes: ``split`` and whichever of ``task_type``, ``source``, ``family`` the env has."""
+    error: str | None = None
+    """Why an env worker failure ended the episode (it counts as a failure)."""
+
+    @property
+    def episode(self) -> tuple[str, str, int, int]:
+        """The episode's name: (split, task id, seed, sample)."""
+        return (self.split, self.task_id, self.seed, self.sample)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EpisodeRecord:
+        return cls(**{**data, "groups": dict(data.get("groups") or {})})
+
+
+def episode_key(split: str, task_id: str, seed: int, sample: int) -> int:
+    """The runtime key of an episode: its env and sampling seeds derive from it, so from its name only."""
+    return derive_seed(seed, "eval", split, task_id, sample)
+
+
+def _record(
+    finished: Any, split: str, seed: int, sample: int, temperature: float, attrs: Mapping[str, str]
+) -> EpisodeRecord:
+    trajectory: Trajectory = finished.trajectory
+    groups = {"split": split, **attrs}
+    if "task_type" in trajectory.info:
+        groups["task_type"] = str(trajectory.info["task_type"])
+    error = trajectory.info.get("error")
+    return EpisodeRecord(
+        split=split,
+        task_id=finished.job.task_id,
+        seed=seed,
+        sample=sample,
+        temperature=temperature,
+        success=bool(trajectory.won),
+        reward=float(trajectory.reward),
+        steps=len(trajectory.turns),
+        action_tokens=trajectory.num_action_tokens,
+        tool_calls=sum(turn.tool_calls for turn in trajectory.turns),
+        invalid_actions=sum(1 for turn in trajectory.turns if turn.action_valid is False),
+        groups=groups,
+        error=None if error is None else str(error),
+    )
+
+
+def task_attributes(env: Any) -> dict[str, dict[str, str]]:
+    """Breakdown attributes of each task an env's task records carry: ``source`` and ``family`` (Math-TIR's
+    ``MathTask.source`` and ``meta["family"]``); envs without task records have none."""
+    out: dict[str, dict[str, str]] = {}
+    for task in getattr(env.unwrapped, "tasks", None) or ():
+        attrs: dict[str, str] = {}
+        if isinstance(getattr(task, "source", None), str):
+            attrs["source"] = task.source
+        family = (getattr(task, "meta", None) or {}).get("family")
+        if isinstance(family, str):
+            attrs["family"] = family
+        out[str(task.task_id)] = attrs
+    return out
+
+
+def play_split(
+    loaded: LoadedAgent,
+    env: str,
+    split: str,
+    config: EvalConfig,
+    env_kwargs: Mapping[str, Any],
+    max_new_tokens: int,
+    progress: Callable[[Any], None] | None = None,
+) -> list[EpisodeRecord]:
+    """Play ``loaded`` on ``split`` of ``env``: every (task, seed, sample) episode of every temperature of
+    ``config`` (module doc), on one streaming vector env; the records in plan order."""
+    from streamrl.agents.env_specs import make_env, task_ids_of
+    from streamrl.algorithms.runtime import Job, Rollouts, collect
+    from streamrl.envs.vector import StreamingVectorEnv, VectorEnvConfig
+
+    spec = env_spec(env)
+    local = make_env(env, split, **dict(env_kwargs))
+    try:
+        task_ids = task_ids_of(local, env)[: config.tasks]
+        attrs = task_attributes(local)
+        expert = spec.expert(local) if loaded.backend is None else None
+    finally:
+        local.close()
+    if not task_ids:
+        raise ValueError(f"split {split!r} of {env} has no tasks to evaluate")
+
+    def plan(samples: int) -> list[tuple[str, int, int]]:
+        return [(t, s, k) for s in config.seeds for t in task_ids for k in range(samples)]
+
+    # A scripted agent ignores the temperature: it plays the largest plan once and each mode takes its episodes.
+    modes = [None] if expert is not None else list(config.temperatures)
+    widest = max(config.samples_at(t) for t in config.temperatures)
+    venv = StreamingVectorEnv.from_env(
+        spec.gym_id,
+        min(config.num_envs, len(plan(widest))),
+        config=VectorEnvConfig(backend=config.env_workers),
+        split=split,
+        **{**spec.env_kwargs, **env_kwargs},
+    )
+    played: dict[tuple[float | None, tuple[str, int, int]], Any] = {}
+    try:
+        for temperature in modes:
+            episodes = plan(widest if temperature is None else config.samples_at(temperature))
+            if temperature is None:
+                assert expert is not None
+                agent: Any = ScriptedRecorder(expert)
+            else:
+                sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=0)
+                assert loaded.backend is not None
+                agent = spec.llm_agent(loaded.backend, sampling)
+            jobs = [Job(t, episode_key(split, t, s, k)) for t, s, k in episodes]
+            if len({j.key for j in jobs}) != len(jobs):  # 31-bit hashes: a collision is astronomically rare
+                raise RuntimeError(f"two episodes of {split} share a runtime key; change the seeds")
+            rollouts = Rollouts(venv, agent, seed=0, lockstep=True)
+            for episode, finished in zip(episodes, collect(rollouts, jobs, progress), strict=True):
+                played[(temperature, episode)] = finished
+    finally:
+        venv.close()
+    records = []
+    for temperature in config.temperatures:
+        for t, s, k in plan(config.samples_at(temperature)):
+            finished = played[(None if expert is not None else temperature, (t, s, k))]
+            records.append(_record(finished, split, s, k, temperature, attrs.get(t, {})))
+    return records
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Summaries
+
+
+def summarize(records: Sequence[EpisodeRecord], pass_k: Iterable[int] = (1,)) -> dict[str, Any]:
+    """The metrics of ``records`` (one mode's): ``episodes``, ``successes``, ``success_rate`` with its Wilson
+    95 % interval (``success_ci95``), ``mean_reward``, ``pass_at_k`` (unbiased, per task averaged over tasks;
+    each k up to the fewest episodes a task has), ``tasks``, ``mean_steps``, ``mean_action_tokens``,
+    ``mean_tool_calls``, ``invalid_action_rate`` (invalid actions per step) and ``errors``."""
+    n = len(records)
+    if n == 0:
+        raise ValueError("no episodes to summarize")
+    wins = sum(r.success for r in records)
+    per_task: dict[tuple[str, str], list[bool]] = defaultdict(list)
+    for r in records:
+        per_task[(r.split, r.task_id)].append(r.success)
+    fewest = min(len(v) for v in per_task.values())
+    steps = sum(r.steps for r in records)
+    return {
+        "episodes": n,
+        "successes": wins,
+        "success_rate": wins / n,
+        "success_ci95": list(wilson_interval(wins, n)),
+        "mean_reward": sum(r.reward for r in records) / n,
+        "tasks": len(per_task),
+        "pass_at_k": {
+            str(k): sum(pass_at_k(len(v), sum(v), k) for v in per_task.values()) / len(per_task)
+            for k in sorted(set(pass_k))
+            if k <= fewest
+        },
+        "mean_steps": steps / n,
+        "mean_action_tokens": sum(r.action_tokens for r in records) / n,
+        "mean_tool_calls": sum(r.tool_calls for r in records) / n,
+        "invalid_action_rate": sum(r.invalid_actions for r in records) / max(1, steps),
+        "errors": sum(r.error is not None for r in records),
+    }
+
+
+def breakdown(records: Sequence[EpisodeRecord], pass_k: Iterable[int] = (1,)) -> dict[str, dict[str, Any]]:
+    """``summarize`` per value of each breakdown attribute (``EpisodeRecord.groups``); an episode without an
+    attribute others have counts under ``"unknown"``, so each attribute's groups hold every episode."""
+    keys = sorted({k for r in records for k in r.groups})
+    out: dict[str, dict[str, Any]] = {}
+    for key in keys:
+        groups: dict[str, list[EpisodeRecord]] = defaultdict(list)
+        for r in records:
+            groups[r.groups.get(key, "unknown")].append(r)
+        out[key] = {value: summarize(members, pass_k) for value, members in sorted(groups.items())}
+    return out
+
+
+def paired_difference(
+    a_records: Sequence[EpisodeRecord | Mapping[str, Any]],
+    b_records: Sequence[EpisodeRecord | Mapping[str, Any]],
+    metric: Literal["success", "reward", "steps", "action_tokens"] = "success",
+    confidence: float = 0.95,
+) -> MeanInterval:
+    """The mean paired difference a − b of ``metric`` over the same episodes and its interval: a paired t
+    interval on the per-episode differences (mean ± t_{0.975, n−1} s/√n).
+
+    Each side holds one mode's records (records from a report's JSON work as they are). The two sides must
+    name the same episodes (split, task, seed, sample), each once: otherwise ``ValueError`` saying which
+    differ."""
+    sides = []
+    for label, records in (("a", a_records), ("b", b_records)):
+        by_episode: dict[tuple[str, str, int, int], EpisodeRecord] = {}
+        for item in records:
+            record = item if isinstance(item, EpisodeRecord) else EpisodeRecord.from_dict(item)
+            if record.episode in by_episode:
+                raise ValueError(
+                    f"side {label} has episode {record.episode} twice (split, task, seed, sample): pass one "
+                    "temperature's records per side"
+                )
+            by_episode[record.episode] = record
+        sides.append(by_episode)
+    a, b = sides
+    if set(a) != set(b):
+        only_a, only_b = sorted(set(a) - set(b)), sorted(set(b) - set(a))
+        raise ValueError(
+            f"paired comparison needs the same episodes on both sides: {len(only_a)} only in a (e.g. "
+            f"{only_a[:3]}), {len(only_b)} only in b (e.g. {only_b[:3]}); evaluate both with the same splits, "
+            "tasks, seeds and samples"
+        )
+    if metric not in ("success", "reward", "steps", "action_tokens"):
+        raise ValueError(f"unknown metric {metric!r}; valid: success, reward, steps, action_tokens")
+    diffs = [float(getattr(a[e], metric)) - float(getattr(b[e], metric)) for e in sorted(a)]
+    return t_interval(diffs, confidence)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The whole evaluation
+
+
+def _resolve_setting(
+    config: EvalConfig, specs: Sequence[AgentSpec]
+) -> tuple[str, dict[str, Any], int | None]:
+    """The env, env kwargs and token budget: the config's, else the ``run:`` agents' (which must agree)."""
+    runs = [read_run_config(s.name) for s in specs if s.kind == "run"]
+    envs = {str(r["env"]) for r in runs}
+    if len(envs) > 1:
+        raise ValueError(f"the runs were trained on different envs {sorted(envs)}; pass --env to choose")
+    env = config.env or (envs.pop() if envs else "math_tir")
+    env_spec(env)  # an unknown env: ValueError naming the valid ones
+    for r, s in zip(runs, [s for s in specs if s.kind == "run"], strict=True):
+        if r["env"] != env:
+            raise ValueError(f"run {s.name!r} was trained on env {r['env']!r}, not {env!r}")
+    env_kwargs = dict(config.env_kwargs)
+    if not env_kwargs and runs:
+        kinds = {json.dumps(r.get("env_kwargs") or {}, sort_keys=True) for r in runs}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"the runs were trained with different env_kwargs {sorted(kinds)}; set env_kwargs"
+            )
+        env_kwargs = dict(runs[0].get("env_kwargs") or {})
+    budgets = {r.get("max_new_tokens") for r in runs}
+    if config.max_new_tokens is None and len(budgets) > 1:
+        raise ValueError(
+            f"the runs were trained with different max_new_tokens {sorted(budgets, key=str)}; set it"
+        )
+    max_new = config.max_new_tokens or (budgets.pop() if budgets else None)
+    return env, env_kwargs, max_new
+
+
+def run_evaluation(config: EvalConfig, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Play ``config.agent`` (and ``config.vs``) on the episodes ``config`` names and report (module doc).
+
+    Returns a JSON-ready dict: ``env``, ``splits``, ``tasks`` (per split), ``config``, ``agents`` (a list: per
+    agent its ``label`` (A, B), ``agent`` spec, ``description``, ``results`` (per temperature: ``summary`` and
+    ``breakdown``) and ``episodes`` (every ``EpisodeRecord``)), ``paired`` (with ``vs``: per temperature, the
+    differences A − B of success and reward) and ``seconds``. Writes it to ``config.out`` when set. Bad input
+    (an unknown env, split, run directory or version) raises ``ValueError`` / ``FileNotFoundError`` naming
+    the value and what is valid, before anything is played.
+    """
+    import torch
+
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    started = time.perf_counter()
+    specs = [AgentSpec.parse(config.agent)] + ([AgentSpec.parse(config.vs)] if config.vs else [])
+    env, env_kwargs, max_new = _resolve_setting(config, specs)
+    spec = env_spec(env)
+    valid_splits = (spec.train_split, *spec.eval_splits)
+    splits = config.splits or spec.eval_splits
+    unknown = [s for s in splits if s not in valid_splits]
+    if unknown:
+        raise ValueError(f"unknown split(s) {unknown} of env {env!r}; valid: {list(valid_splits)}")
+    for s in specs:  # a missing version fails before any agent plays
+        if s.kind == "run":
+            policy_version(s.name, s.version)
+    max_new_tokens = max_new or spec.max_new_tokens
+    pass_k = config.pass_k or (1, config.samples * len(config.seeds))
+    torch.set_num_threads(config.threads)
+
+    agents: list[dict[str, Any]] = []
+    task_counts: dict[str, int] = {}
+    for label, agent_spec in zip("AB", specs, strict=False):
+        loaded = load_agent(agent_spec, env, device=config.device, log=log)
+        log(f"eval {label}: {loaded.description} on {env} {list(splits)}")
+        bar = _progress_bar(config, label, env)
+        tick = None if bar is None else (lambda _finished, bar=bar: bar.update(1))
+        try:
+            records: list[EpisodeRecord] = []
+            for split in splits:
+                played = play_split(loaded, env, split, config, env_kwargs, max_new_tokens, tick)
+                task_counts[split] = len({r.task_id for r in played})
+                records += played
+        finally:
+            loaded.close()
+            if bar is not None:
+                bar.close()
+        results = []
+        for temperature in config.temperatures:
+            mode = [r for r in records if r.temperature == temperature]
+            results.append(
+                {
+                    "temperature": temperature,
+                    "summary": summarize(mode, pass_k),
+                    "breakdown": breakdown(mode, pass_k),
+                }
+            )
+        agents.append(
+            {
+                "label": label,
+                "agent": str(agent_spec),
+                "description": loaded.description,
+                "results": results,
+                "episodes": [r.to_dict() for r in records],
+            }
+        )
+    report: dict[str, Any] = {
+        "env": env,
+        "splits": list(splits),
+        "tasks": task_counts,
+        "env_kwargs": env_kwargs,
+        "max_new_tokens": max_new_tokens,
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
+        "agents": agents,
+        "paired": [],
+    }
+    if len(agents) == 2:
+        for temperature in config.temperatures:
+            a, b = (
+                [EpisodeRecord.from_dict(r) for r in x["episodes"] if r["temperature"] == temperature]
+                for x in agents
+            )
+            metrics: tuple[Literal["success", "reward"], ...] = ("success", "reward")
+            for metric in metrics:
+                if len(a) < 2:
+                    continue
+                diff = paired_difference(a, b, metric)
+                report["paired"].append(
+                    {
+                        "temperature": temperature,
+                        "metric": metric,
+                        "a": "A",
+                        "b": "B",
+                        **diff.to_dict(),
+                        "method": "paired t",
+                    }
+                )
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    if config.out is not None:
+        config.out.parent.mkdir(parents=True, exist_ok=True)
+        config.out.write_text(json.dumps(report, indent=1))
+    return report
+
+
+def _progress_bar(config: EvalConfig, label: str, env: str) -> Any:
+    if not config.progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(desc=f"eval {label} {env}", unit="episode", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The table
+
+
+def _mode(temperature: float) -> str:
+    return "greedy" if temperature == 0 else f"T={temperature:g}"
+
+
+def _row(name: str, s: Mapping[str, Any], ks: Sequence[str]) -> list[str]:
+    lo, hi = s["success_ci95"]
+    return [
+        name,
+        str(s["episodes"]),
+        f"{s['success_rate']:.3f}",
+        f"[{lo:.3f}, {hi:.3f}]",
+        f"{s['mean_reward']:.3f}",
+        *[f"{s['pass_at_k'][k]:.3f}" if k in s["pass_at_k"] else "–" for k in ks],
+        f"{s['mean_steps']:.2f}",
+        f"{s['mean_action_tokens']:.1f}",
+        f"{s['mean_tool_calls']:.2f}",
+        f"{s['invalid_action_rate']:.3f}",
+    ]
+
+
+def _table(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+
+
+def format_report(report: Mapping[str, Any]) -> str:
+    """``run_evaluation``'s report as readable tables: per agent one row per mode and per breakdown group,
+    then the paired differences."""
+    lines = [
+        f"env {report['env']}, splits {report['splits']} (tasks: {report['tasks']}), "
+        f"seeds {report['config']['seeds']}, episodes per task and seed when sampling: {report['config']['samples']}"
+    ]
+    for agent in report["agents"]:
+        ks = sorted({k for res in agent["results"] for k in res["summary"]["pass_at_k"]}, key=int)
+        header = [
+            "",
+            "episodes",
+            "success",
+            "95% CI",
+            "reward",
+            *[f"pass@{k}" for k in ks],
+            "steps",
+            "tokens",
+            "tools",
+            "invalid",
+        ]
+        lines += ["", f"{agent['label']}: {agent['agent']} -- {agent['description']}"]
+        rows = [header]
+        for res in agent["results"]:
+            mode = _mode(res["temperature"])
+            rows.append(_row(mode, res["summary"], ks))
+            for key, groups in res["breakdown"].items():
+                if len(groups) < 2:
+                    continue
+                rows += [_row(f"  {key}={value}", s, ks) for value, s in groups.items()]
+        lines += _table(rows)
+    if report["paired"]:
+        lines += ["", "paired differences A − B on the same episodes (paired t, 95 % interval):"]
+        for p in report["paired"]:
+            lines.append(
+                f"  {_mode(p['temperature'])} {p['metric']}: {p['mean']:+.3f} "
+                f"[{p['ci_low']:+.3f}, {p['ci_high']:+.3f}] over {p['n']} episodes"
+            )
+    return "\n".join(lines)
