@@ -1,6 +1,6 @@
 """The ``streamrl`` command line: one program, one subcommand for each thing a user runs.
 
-streamrl demo                  play Math-TIR test problems with the scripted solver through the real sandbox
+streamrl demo                  the main job: SFT cold start -> offline values -> SPO++ -> paired held-out eval -> report
 streamrl train                 train a policy with SPO, SPO++, GRPO, SAO or your own algorithm
 streamrl eval                  evaluate an agent (a run's policy, a model, an SFT checkpoint, the expert); paired
 streamrl compare               compare training runs: SPO++ Table 1 metrics, learning curves, diagnostics, report
@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from streamrl.evaluation.config_cli import (
     add_dataclass_arguments,
@@ -42,54 +42,12 @@ T = TypeVar("T")
 # streamrl demo
 
 
-@dataclass(frozen=True)
-class DemoOptions:
-    """``streamrl demo``: the scripted Math-TIR solver plays test problems, every tool call in the sandbox."""
-
-    episodes: int = 20
-    """Episodes to play."""
-    show: int = 2
-    """Transcripts to print (the first episodes')."""
-    split: Literal["train", "test"] = "test"
-    """Math-TIR task split."""
-    seed: int = 0
-    """Reset seed of the first episode (episode i resets with seed + i)."""
-
-    def __post_init__(self) -> None:
-        if self.episodes < 1:
-            raise ValueError(f"episodes must be >= 1, got {self.episodes}")
-
-
 def _demo(argv: Sequence[str]) -> int:
-    parser = _parser("demo", DemoOptions.__doc__)
-    add_dataclass_arguments(parser, DemoOptions)
-    options = _build(parser, DemoOptions, parser.parse_args(argv))
+    from streamrl.evaluation.demo import DemoConfig, run_demo
 
-    import gymnasium as gym
-    import streamrl.envs  # noqa: F401  (registers the envs)
-    from streamrl.agents.math_solver import MathSolverAgent
-    from streamrl.agents.rollout import play_episode
-
-    env = gym.make("streamrl/MathTIR-v0", split=options.split)
-    agent = MathSolverAgent(env.unwrapped.tasks)  # type: ignore[attr-defined]
-    try:
-        wins, seconds = 0, 0.0
-        for i in range(options.episodes):
-            result = play_episode(env, agent, seed=options.seed + i)
-            wins += result.won
-            seconds += result.seconds
-            if i < options.show:
-                print(f"=== episode {i}: task {result.task_id} ===")
-                print(result.transcript())
-                print(
-                    f"--- reward {result.reward:.1f}, {result.steps} turns, {result.seconds * 1000:.0f} ms\n"
-                )
-        print(
-            f"score: {wins}/{options.episodes} solved ({wins / options.episodes:.1%}) on the Math-TIR "
-            f"{options.split} split, {seconds / options.episodes * 1000:.0f} ms per episode"
-        )
-    finally:
-        env.close()
+    parser = _parser("demo", DemoConfig.__doc__)
+    add_dataclass_arguments(parser, DemoConfig)
+    run_demo(_build(parser, DemoConfig, parser.parse_args(argv)))
     return 0
 
 
@@ -475,7 +433,7 @@ def _build(parser: argparse.ArgumentParser, cls: type[T], args: argparse.Namespa
 
 
 COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
-    "demo": ("play Math-TIR with the scripted solver through the real sandbox", _demo),
+    "demo": ("train SPO++ from the cold start, evaluate it paired with the start, write a report", _demo),
     "train": ("train a policy (SPO, SPO++, GRPO, SAO or your own) on the single-stream runtime", _train),
     "eval": (
         "evaluate an agent on an env's splits (success with intervals, pass@k, breakdowns, paired)",

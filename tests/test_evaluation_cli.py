@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -208,17 +209,50 @@ def test_sft_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> No
     assert "--lora" not in text and "--downsample" not in text
 
 
-def test_demo_plays_through_the_real_sandbox(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--episodes", "2", "--show", "1"]) == 0
-    out = capsys.readouterr().out
-    assert "=== episode 0: task" in out and "=== episode 1" not in out
-    assert "score: 2/2 solved" in out
+DEMO_SMALL = (
+    "--init base --updates 2 --batch 4 --num-envs 4 --tasks 4 --offline-rollouts 1 --eval-every 1 "
+    "--eval-episodes 6 --max-new-tokens 16 --threads 1 --no-progress"
+).split()
+
+
+def test_demo_trains_evaluates_paired_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The demo's whole pipeline at a smoke size (the untrained model instead of the SFT checkpoint): a run,
+    a paired start-vs-end evaluation, the report; run again, it resumes the finished run and only re-reports."""
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), *DEMO_SMALL]) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((out / "demo.json").read_text())
+    assert summary["start"]["update"] == 0 and summary["end"]["update"] == 2
+    assert summary["start"]["episodes"] == summary["paired_gain"]["n"] == 6
+    assert [u for u, _, _ in summary["held_out_curve"]] == [0, 1, 2]
+    assert summary["paired_gain"]["mean"] == pytest.approx(
+        summary["end"]["success"] - summary["start"]["success"]
+    )
+    assert "paired gain on the same 6 episodes" in printed
+    report = (out / "report.md").read_text()
+    assert "![learning curves](demo.png)" in report and (out / "demo.png").stat().st_size > 10_000
+    metrics = (out / "metrics.jsonl").read_text()
+    assert main(["demo", "--out", str(out), *DEMO_SMALL]) == 0
+    assert (out / "metrics.jsonl").read_text() == metrics  # finished: nothing trained again
     with pytest.raises(SystemExit):
-        main(["demo", "--episodes", "0"])
-    assert "episodes must be >= 1, got 0" in capsys.readouterr().err
+        main(["demo", "--updates", "0"])
+    assert "updates must be >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["fly"])
     assert "invalid choice: 'fly'" in capsys.readouterr().err
+
+
+def test_paired_gain_is_the_mean_of_per_episode_differences() -> None:
+    from streamrl.evaluation.demo import paired_gain
+
+    start = [{"key": k, "task_id": f"t{k % 2}", "won": w} for k, w in enumerate([0, 0, 1, 1])]
+    end = [{"key": k, "task_id": f"t{k % 2}", "won": w} for k, w in enumerate([1, 1, 1, 0])]
+    gain = paired_gain(start, end)
+    # differences 1, 1, 0, -1: mean .25, s.d. sqrt(((.75)^2*2 + .25^2 + 1.25^2)/3) = .9574; t_{.975,3} = 3.1824
+    assert gain.mean == pytest.approx(0.25)
+    assert gain.high - gain.mean == pytest.approx(3.182446 * 0.957427 / 2, rel=1e-5)
+    with pytest.raises(ValueError, match="same episodes"):
+        paired_gain(start, [{**r, "task_id": "other"} for r in end])
 
 
 @pytest.mark.alfworld
