@@ -191,10 +191,12 @@ def test_mini_batches_and_dr_grpo_counts_are_the_batch_s_on_every_rank(episodes:
 def test_a_two_rank_training_run_trains_like_one_rank(tmp_path: Path) -> None:
     """``streamrl train`` with ``learner_ranks=2``: a synchronous SAO run of one update (the critic's values
     make the advantages vary although ``tiny`` never wins; the critic trains on rank 0). The published weights
-    are those of the single-rank run: the two updates differ by less than 1e-3 of their size."""
+    are those of the single-rank run (the two updates differ by less than 1e-3 of their size) and so are the
+    loss and the gradient norm: Adam's step hardly changes when every gradient is scaled alike (as one count
+    per rank on even shards would do), the norm does."""
     from safetensors.torch import load_file
 
-    weights = []
+    weights, rows = [], []
     for ranks in (1, 2):
         config = TrainConfig(
             out=str(tmp_path / f"ranks{ranks}"),
@@ -217,6 +219,7 @@ def test_a_two_rank_training_run_trains_like_one_rank(tmp_path: Path) -> None:
         Trainer(config, log=lambda _: None, progress=False).run()
         row = json.loads((tmp_path / f"ranks{ranks}" / "metrics.jsonl").read_text().splitlines()[-1])
         assert row["learner/policy_trained"] == 1.0 and row["ledger/trained"] == 4
+        rows.append(row)
         weights.append(load_file(str(tmp_path / f"ranks{ranks}" / "policy" / "v1" / "model.safetensors")))
     start = load_file(str(resolve_model("tiny") / "model.safetensors"))
     keys = sorted(weights[0])
@@ -224,6 +227,9 @@ def test_a_two_rank_training_run_trains_like_one_rank(tmp_path: Path) -> None:
     diff = torch.cat([(weights[0][k] - weights[1][k]).flatten() for k in keys])
     assert float(step.abs().max()) > 1e-5  # the update moved the weights
     assert float(diff.norm()) <= 1e-3 * float(step.norm())
+    for key in ("learner/grad_norm", "learner/action_tokens", "critic/value_loss"):
+        assert rows[1][key] == pytest.approx(rows[0][key], rel=1e-4), key
+    assert rows[1]["learner/loss"] == pytest.approx(rows[0]["learner/loss"], abs=1e-6)  # ~0: whitened
 
 
 def test_bad_input_is_refused_with_the_valid_range(episodes: list[Episode], tmp_path: Path) -> None:
