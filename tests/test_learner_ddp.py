@@ -227,7 +227,7 @@ def test_a_two_rank_training_run_trains_like_one_rank(tmp_path: Path) -> None:
     diff = torch.cat([(weights[0][k] - weights[1][k]).flatten() for k in keys])
     assert float(step.abs().max()) > 1e-5  # the update moved the weights
     assert float(diff.norm()) <= 1e-3 * float(step.norm())
-    for key in ("learner/grad_norm", "learner/action_tokens", "critic/value_loss"):
+    for key in ("learner/grad_norm", "learner/action_tokens", "learner/critic/value_loss"):
         assert rows[1][key] == pytest.approx(rows[0][key], rel=1e-4), key
     assert rows[1]["learner/loss"] == pytest.approx(rows[0]["learner/loss"], abs=1e-6)  # ~0: whitened
 
