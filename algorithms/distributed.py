@@ -23,11 +23,12 @@ shard. What makes the R-rank update the single-rank update (up to float rounding
 - **Equal replicas.** Rank 0's trainable weights are broadcast when the ranks build their learners;
   checkpoints are loaded on every rank. Rank 0 saves, publishes and checkpoints.
 
-Launch (``DistributedLearner``): the trainer's process is rank 0; it starts ranks 1..R-1 as spawned
-processes (``serve_rank``), each hosting a ``LearnerRank`` (a plain class: ``LearnerRank(rank, world_size,
-init_method, spec)``, which another launcher, e.g. Ray actors, can host the same way), and ships each its
-shard over a pipe per update. The single-stream runtime stays in rank 0; only ``Learner.update`` and
-``load_state_dict`` involve the other ranks. SAO's critic trains on rank 0 alone.
+Launch (``DistributedLearner``): the trainer's process is rank 0; it starts ranks 1..R-1, each hosting a
+``LearnerRank`` (a plain class, ``LearnerRank(rank, world_size, init_method, spec)``), and ships each its
+shard per update through a ``RankHandle``: by default a spawned process (``ProcessRank`` running
+``serve_rank``) reached over a pipe; another launcher (Ray actors) passes its own ``start_rank``. The
+single-stream runtime stays in rank 0; only ``Learner.update`` and ``load_state_dict`` involve the other
+ranks. SAO's critic trains on rank 0 alone.
 
 FSDP (sharded parameters for models too large to replicate) is not wired: see docs/training.md.
 """
@@ -41,7 +42,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -188,8 +189,11 @@ class LearnerRank:
         device: str | None = None,
         backend: Backend = "auto",
         timeout: timedelta = timedelta(minutes=30),
+        before_join: Callable[[], None] | None = None,
     ) -> None:
-        """``device``: this rank's device (e.g. ``"cuda:1"``); ``None``: ``spec.config.device``."""
+        """``device``: this rank's device (e.g. ``"cuda:1"``); ``None``: ``spec.config.device``.
+        ``before_join``: called with the model loaded, just before joining the group (what can fail has
+        failed by then: ``serve_rank`` tells rank 0, which joins only after every rank has)."""
         from streamrl.agents.models import load_model
         from streamrl.algorithms.base import algorithm_class
 
@@ -200,6 +204,8 @@ class LearnerRank:
         if config.device.startswith("cuda:"):
             torch.cuda.set_device(torch.device(config.device))  # NCCL's object collectives use it
         model = load_model(spec.model_dir)
+        if before_join is not None:
+            before_join()
         self.group = RankGroup(rank, world_size, init_method, backend=backend, timeout=timeout)
         self.learner = Learner(
             model,
@@ -239,11 +245,14 @@ def serve_rank(
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        from streamrl.algorithms.base import algorithm_class
-
-        algorithm_class(spec.algorithm)  # what can fail before the group is joined: rank 0 waits for this
-        conn.send(("loaded", None))
-        worker = LearnerRank(rank, world_size, init_method, spec, device=device)
+        worker = LearnerRank(
+            rank,
+            world_size,
+            init_method,
+            spec,
+            device=device,
+            before_join=lambda: conn.send(("loaded", None)),
+        )
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
@@ -274,18 +283,113 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class RankHandle(Protocol):
+    """Rank 0's line to another rank (a spawned process here; a Ray actor elsewhere).
+
+    ``receive`` answers, in order: ``("loaded", None)`` when the rank is about to join the group (rank 0 joins
+    only then, so a rank that cannot start fails fast instead of leaving rank 0 waiting in the rendezvous),
+    ``("ready", None)`` once its learner is built, then one ``("ok", result)`` or ``("error", traceback)`` per
+    ``send``; it raises ``RuntimeError`` when the rank is gone.
+    """
+
+    rank: int
+
+    def send(self, method: str, args: tuple[Any, ...]) -> None:
+        """Call ``LearnerRank.<method>(*args)`` on the rank, without waiting."""
+
+    def receive(self) -> tuple[str, Any]: ...
+
+    def failure(self, timeout: float) -> str | None:
+        """Why the rank stopped, if it stops within ``timeout`` seconds (its error, or its exit); else ``None``."""
+
+    def close(self) -> None:
+        """Stop the rank."""
+
+
+RankStarter = Callable[[int, int, str, LearnerSpec, "str | None"], RankHandle]
+"""``(rank, world_size, init_method, spec, device) -> RankHandle``: how ``DistributedLearner`` starts a rank."""
+
+
+class ProcessRank:
+    """A rank in a spawned process (``serve_rank``), reached over a pipe (``RankHandle``)."""
+
+    def __init__(
+        self, rank: int, world_size: int, init_method: str, spec: LearnerSpec, device: str | None
+    ) -> None:
+        import torch.multiprocessing as mp
+
+        context = mp.get_context("spawn")
+        self.rank = rank
+        self.conn, child = context.Pipe()
+        self.process = context.Process(
+            target=serve_rank,
+            args=(child, rank, world_size, init_method, spec, device),
+            name=f"streamrl-learner-rank-{rank}",
+            daemon=True,
+        )
+        self.process.start()
+        child.close()
+
+    def _gone(self) -> RuntimeError:
+        return RuntimeError(
+            f"learner rank {self.rank} exited (code {self.process.exitcode}) without an answer"
+        )
+
+    def send(self, method: str, args: tuple[Any, ...]) -> None:
+        try:
+            self.conn.send((method, args))
+        except OSError:  # BrokenPipeError: the rank is gone
+            raise self._gone() from None
+
+    def receive(self) -> tuple[str, Any]:
+        while not self.conn.poll(1.0):
+            if not self.process.is_alive():
+                raise self._gone()
+        try:
+            status, value = self.conn.recv()
+        except (EOFError, OSError):  # closed or reset: the rank is gone
+            raise self._gone() from None
+        return status, value
+
+    def failure(self, timeout: float) -> str | None:
+        self.process.join(timeout)  # a rank that failed leaves at once (serve_rank)
+        if self.process.is_alive():
+            return None
+        try:
+            if self.conn.poll():
+                status, value = self.conn.recv()
+                if status == "error":
+                    return str(value)
+        except (EOFError, OSError):
+            pass
+        return f"exited (code {self.process.exitcode})"
+
+    def close(self) -> None:
+        """Ask the rank to stop; a rank still running after 30 s is terminated."""
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+        self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout=5)
+        self.conn.close()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Rank 0
 # ---------------------------------------------------------------------------------------------------------
 
 
 class DistributedLearner(Learner):
-    """The ``Learner`` of rank 0 of ``ranks`` data-parallel ranks on this machine (module doc).
+    """The ``Learner`` of rank 0 of ``ranks`` data-parallel ranks (module doc), in the trainer's process.
 
-    It starts ranks 1..R-1 as spawned processes, each a ``LearnerRank`` on its own device (``cuda:r`` when
-    the learner runs on CUDA, else the CPU), and drives them: ``update`` deals the batch, ships each rank its
-    shard and trains its own; ``load_state_dict`` loads a checkpoint on every rank. Everything else (saving,
-    publishing, scoring, ``state_dict``) is rank 0's alone: the replicas are equal. ``close`` stops the ranks.
+    It starts ranks 1..R-1 (``start_rank``; default: spawned processes on this machine), each a
+    ``LearnerRank`` on its own device (``cuda:r`` when the learner runs on CUDA, else the CPU), and drives
+    them: ``update`` deals the batch, ships each rank its shard and trains its own; ``load_state_dict`` loads a
+    checkpoint on every rank. Everything else (saving, publishing, scoring, ``state_dict``) is rank 0's alone:
+    the replicas are equal. ``close`` stops the ranks.
     """
 
     def __init__(
@@ -295,11 +399,11 @@ class DistributedLearner(Learner):
         ranks: int,
         *,
         init_method: str | None = None,
+        start_rank: RankStarter = ProcessRank,
         timeout: timedelta = timedelta(minutes=30),
     ) -> None:
         """``model``: rank 0's policy (its weights are broadcast to the ranks); ``spec``: what the other ranks
-        build theirs from. ``init_method``: default ``tcp://127.0.0.1:<a free port>``."""
-        import torch.multiprocessing as mp
+        build theirs from. ``init_method``: default ``tcp://127.0.0.1:<a free port>`` (ranks on this machine)."""
         from streamrl.algorithms.base import algorithm_class
 
         if ranks < 1:
@@ -309,23 +413,15 @@ class DistributedLearner(Learner):
         cuda = spec.config.device.startswith("cuda") or (
             spec.config.device == "auto" and torch.cuda.is_available()
         )
-        if cuda and torch.cuda.device_count() < ranks:
+        if cuda and start_rank is ProcessRank and torch.cuda.device_count() < ranks:
             raise ValueError(f"{ranks} learner ranks need {ranks} GPUs, {torch.cuda.device_count()} visible")
-        context = mp.get_context("spawn")
-        self._ranks: list[tuple[Any, Connection]] = []
+        self._ranks: list[RankHandle] = []
         self.group = None
         try:
             for rank in range(1, ranks):
-                parent, child = context.Pipe()
-                process = context.Process(
-                    target=serve_rank,
-                    args=(child, rank, ranks, init_method, spec, f"cuda:{rank}" if cuda else None),
-                    name=f"streamrl-learner-rank-{rank}",
-                    daemon=True,
+                self._ranks.append(
+                    start_rank(rank, ranks, init_method, spec, f"cuda:{rank}" if cuda else None)
                 )
-                process.start()
-                child.close()
-                self._ranks.append((process, parent))
             self._expect("loaded")
             config = replace(spec.config, device="cuda:0") if cuda else spec.config
             group = RankGroup(0, ranks, init_method, timeout=timeout)
@@ -354,93 +450,51 @@ class DistributedLearner(Learner):
         assert self.group is not None
         shards = shard_batch(episodes, advantages, self.group.world_size, self.config.mini_batches)
         config = _algorithm_fields(algorithm)
-        self._call("update", [(shard, config) for shard in shards[1:]])
-        metrics = self._run(lambda: self.update_shard(shards[0], algorithm))
+        for handle, shard in zip(self._ranks, shards[1:], strict=True):
+            handle.send("update", (shard, config))
+        try:
+            metrics = self.update_shard(shards[0], algorithm)
+        except RuntimeError as exc:  # a collective failed: say which rank took it down, and why
+            for handle in self._ranks:
+                why = handle.failure(timeout=5.0)
+                if why is not None:
+                    raise RuntimeError(f"learner rank {handle.rank} failed:\n{why}") from exc
+            raise
         self._results()
         return metrics
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self._call("load_state_dict", [(state,)] * len(self._ranks))
+        for handle in self._ranks:
+            handle.send("load_state_dict", (state,))
         self._results()
 
     def digests(self) -> list[str]:
         """Every rank's ``parameter_digest``, in rank order: all equal while the replicas agree."""
-        self._call("digest", [()] * len(self._ranks))
+        for handle in self._ranks:
+            handle.send("digest", ())
         return [parameter_digest(self), *self._results()]
 
     def close(self) -> None:
-        """Stop the other ranks (a clean exit; a rank still running after 30 s is terminated) and leave the group."""
-        for _, conn in self._ranks:
-            try:
-                conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-        for process, conn in self._ranks:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.terminate()
-                process.join(timeout=5)
-            conn.close()
+        """Stop the other ranks and leave the group."""
+        for handle in self._ranks:
+            handle.close()
         self._ranks = []
         if self.group is not None:
             self.group.close()
             self.group = None
 
-    # -- talking to the ranks -----------------------------------------------------------------------------
-    def _call(self, method: str, args: Sequence[tuple[Any, ...]]) -> None:
-        for rank, ((process, conn), rank_args) in enumerate(zip(self._ranks, args, strict=True), start=1):
-            try:
-                conn.send((method, rank_args))
-            except OSError:  # BrokenPipeError: the rank is gone
-                raise _exited(rank, process) from None
-
-    @staticmethod
-    def _reply(rank: int, process: Any, conn: Connection) -> tuple[str, Any]:
-        while not conn.poll(1.0):
-            if not process.is_alive():
-                raise _exited(rank, process)
-        try:
-            status, value = conn.recv()
-        except (EOFError, OSError):  # closed or reset: the rank is gone
-            raise _exited(rank, process) from None
-        return status, value
-
     def _results(self) -> list[Any]:
         out = []
-        for rank, (process, conn) in enumerate(self._ranks, start=1):
-            status, value = self._reply(rank, process, conn)
-            if status == "error":
-                raise RuntimeError(f"learner rank {rank} failed:\n{value}")
+        for handle in self._ranks:
+            status, value = handle.receive()
+            if status != "ok":
+                raise RuntimeError(f"learner rank {handle.rank} failed:\n{value}")
             out.append(value)
         return out
 
     def _expect(self, what: str) -> None:
-        for rank, (process, conn) in enumerate(self._ranks, start=1):
-            status, value = self._reply(rank, process, conn)
+        for handle in self._ranks:
+            status, value = handle.receive()
             if status != what:
-                raise RuntimeError(f"learner rank {rank} failed to start:\n{value}")
-
-    def _run(self, work: Callable[[], dict[str, float]]) -> dict[str, float]:
-        """Run rank 0's part; when a collective fails because another rank failed, raise that rank's error."""
-        try:
-            return work()
-        except RuntimeError as exc:
-            for rank, (process, conn) in enumerate(self._ranks, start=1):
-                process.join(timeout=5.0)  # a rank that failed leaves at once (serve_rank)
-                if process.is_alive():
-                    continue
-                status, value = ("exited", None)
-                try:
-                    if conn.poll():
-                        status, value = conn.recv()
-                except (EOFError, OSError):
-                    pass
-                if status == "error":
-                    raise RuntimeError(f"learner rank {rank} failed:\n{value}") from exc
-                raise _exited(rank, process) from exc
-            raise
-
-
-def _exited(rank: int, process: Any) -> RuntimeError:
-    return RuntimeError(f"learner rank {rank} exited (code {process.exitcode}) without an answer")
+                raise RuntimeError(f"learner rank {handle.rank} failed to start:\n{value}")

@@ -12,6 +12,7 @@ would change the gradient. Then a 2-rank ``streamrl train`` run, and bad input.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -178,8 +179,7 @@ def test_mini_batches_and_dr_grpo_counts_are_the_batch_s_on_every_rank(episodes:
         assert len(two["grads"]) == 2
         assert_same_update(one, two)
         # a rank that dies takes the update down with its error, not a hang
-        process, _ = learner._ranks[0]
-        process.kill()
+        learner._ranks[0].process.kill()  # type: ignore[attr-defined]
         with pytest.raises(RuntimeError, match="learner rank 1"):
             learner.update(episodes, advantages, algorithm)
         with pytest.raises(ValueError, match="started for GRPO, not SPOPP"):
@@ -240,6 +240,10 @@ def test_bad_input_is_refused_with_the_valid_range(episodes: list[Episode], tmp_
         shard_batch(episodes, advantages, 6)
     with pytest.raises(ValueError, match="learner ranks must be >= 1, got 0"):
         DistributedLearner(None, spec_for("spo++"), 0)
+    # a rank that cannot build its replica fails the start with its error (rank 0 never waits to rendezvous)
+    missing = replace(spec_for("spo++"), model_dir=str(tmp_path / "no-model"))
+    with pytest.raises(RuntimeError, match=r"(?s)learner rank 1 failed to start.*no-model"):
+        DistributedLearner(load_model(resolve_model("tiny")), missing, 2)
     base = dict(out=str(tmp_path / "run"), init="base", batch=4, tasks=4, env_workers="inprocess")
     with pytest.raises(ConfigError, match="learner_ranks must be >= 1, got 0"):
         Trainer(TrainConfig(**base, learner_ranks=0), progress=False)  # type: ignore[arg-type]
