@@ -424,15 +424,21 @@ class DistributedLearner(Learner):
                 )
             self._expect("loaded")
             config = replace(spec.config, device="cuda:0") if cuda else spec.config
-            group = RankGroup(0, ranks, init_method, timeout=timeout)
-            super().__init__(
-                model,
-                config,
-                pad_token_id=spec.pad_token_id,
-                total_steps=spec.total_steps,
-                temperature=spec.temperature,
-                group=group,
-            )
+            try:
+                group = RankGroup(0, ranks, init_method, timeout=timeout)
+                super().__init__(
+                    model,
+                    config,
+                    pad_token_id=spec.pad_token_id,
+                    total_steps=spec.total_steps,
+                    temperature=spec.temperature,
+                    group=group,
+                )
+            except RuntimeError as exc:
+                failure = self._rank_failure()
+                if failure is None:
+                    raise
+                raise failure from exc
             self._expect("ready")
         except BaseException:
             self.close()
@@ -454,12 +460,11 @@ class DistributedLearner(Learner):
             handle.send("update", (shard, config))
         try:
             metrics = self.update_shard(shards[0], algorithm)
-        except RuntimeError as exc:  # a collective failed: say which rank took it down, and why
-            for handle in self._ranks:
-                why = handle.failure(timeout=5.0)
-                if why is not None:
-                    raise RuntimeError(f"learner rank {handle.rank} failed:\n{why}") from exc
-            raise
+        except RuntimeError as exc:
+            failure = self._rank_failure()
+            if failure is None:
+                raise
+            raise failure from exc
         self._results()
         return metrics
 
@@ -483,6 +488,14 @@ class DistributedLearner(Learner):
         if self.group is not None:
             self.group.close()
             self.group = None
+
+    def _rank_failure(self) -> RuntimeError | None:
+        """After a collective of rank 0 failed: the error of the rank that took it down, if one stopped."""
+        for handle in self._ranks:
+            why = handle.failure(timeout=5.0)
+            if why is not None:
+                return RuntimeError(f"learner rank {handle.rank} failed:\n{why}")
+        return None
 
     def _results(self) -> list[Any]:
         out = []
