@@ -14,6 +14,12 @@ What it does for an update (``Learner.update``):
    length-sorted micro-batches of at most ``micro_batch_tokens`` padded tokens with gradient accumulation,
    clips the gradient norm, steps AdamW and the warm-up + cosine schedule.
 
+Data-parallel ranks (``streamrl.algorithms.distributed``): ``shard_batch`` deals the batch to R ranks and each
+rank runs ``update_shard`` on its shard. The ranks gather every step's row lengths, so the loss aggregation
+(N_tok, B, T_max) is the whole batch's on every rank, sum their gradients (not average: each rank's loss is
+already divided by the global counts) before clipping, and take identical AdamW steps: the update is the
+single-rank update up to float rounding.
+
 Precision: fp32 on CPU; bf16 autocast on CUDA (log-probs and losses in fp32). Parameters: LoRA adapters
 (peft) or the full model (``LearnerConfig.finetune``; "auto" picks full fine-tuning below
 ``full_finetune_max_params`` parameters, where an adapter's rank limits a tiny model more than it saves).
@@ -39,6 +45,7 @@ from streamrl.algorithms.base import PolicyInputs
 
 if TYPE_CHECKING:
     from streamrl.algorithms.base import Algorithm, Episode
+    from streamrl.algorithms.distributed import RankGroup
 
 Finetune = Literal["auto", "full", "lora"]
 Schedule = Literal["cosine", "constant"]
@@ -173,6 +180,73 @@ def per_episode(
     return [torch.cat(parts) if parts else torch.empty(0) for parts in out]
 
 
+@dataclass
+class Shard:
+    """One rank's part of an update batch (``shard_batch``); picklable, so a launcher can ship it to its rank."""
+
+    episodes: list[Episode]
+    advantages: list[float | torch.Tensor]
+    positions: list[int]
+    """Each episode's index in the whole batch (ascending)."""
+    mini_batch: list[int]
+    """Each episode's mini-batch, 0 .. ``mini_batches`` - 1 (-1: no action tokens, nothing to train)."""
+    mini_batches: int
+    """Optimizer steps per epoch: the same on every rank, which all step together."""
+
+
+def shard_batch(
+    episodes: Sequence[Episode],
+    advantages: Sequence[float | torch.Tensor],
+    ranks: int,
+    mini_batches: int = 1,
+) -> list[Shard]:
+    """Deal an update batch to ``ranks`` learner ranks, deterministically.
+
+    Mini-batches are formed first, as one rank forms them (the k-th episode with action tokens goes to
+    mini-batch k mod M, M = min(``mini_batches``, such episodes)), so each optimizer step trains the same
+    episodes whatever the number of ranks. Then each mini-batch is dealt longest first, every episode to the
+    rank holding the fewest action tokens of that mini-batch so far (ties: fewest of the whole batch, then
+    the lowest rank): every step waits for its slowest rank. Episodes without action tokens go to rank 0
+    with mini-batch -1, so their advantages are still checked.
+    """
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    if len(advantages) != len(episodes):
+        raise ValueError(f"{len(advantages)} advantages for {len(episodes)} episodes")
+    tokens = [e.num_action_tokens for e in episodes]
+    trained = [i for i, n in enumerate(tokens) if n]
+    if not trained:
+        raise ValueError("the update batch has no action tokens")
+    if ranks > len(trained):
+        raise ValueError(
+            f"{ranks} learner ranks for an update batch of {len(trained)} trajectories with action tokens: "
+            f"every rank needs at least one (use at most {len(trained)} ranks, or a larger batch)"
+        )
+    parts = max(1, min(mini_batches, len(trained)))
+    mini = [-1] * len(episodes)
+    for k, i in enumerate(trained):
+        mini[i] = k % parts
+    owner = [0] * len(episodes)
+    total = [0] * ranks
+    for m in range(parts):
+        load = [0] * ranks
+        for i in sorted((i for i in trained if mini[i] == m), key=lambda i: (-tokens[i], i)):
+            r = min(range(ranks), key=lambda r: (load[r], total[r], r))
+            owner[i] = r
+            load[r] += tokens[i]
+            total[r] += tokens[i]
+    return [
+        Shard(
+            episodes=[episodes[i] for i in mine],
+            advantages=[advantages[i] for i in mine],
+            positions=mine,
+            mini_batch=[mini[i] for i in mine],
+            mini_batches=parts,
+        )
+        for mine in ([i for i in range(len(episodes)) if owner[i] == r] for r in range(ranks))
+    ]
+
+
 class Learner:
     """Trains a policy model on batches of episodes (see module doc)."""
 
@@ -184,8 +258,13 @@ class Learner:
         pad_token_id: int,
         total_steps: int,
         temperature: float = 1.0,
+        group: RankGroup | None = None,
     ) -> None:
+        """``group``: the data-parallel ranks this learner is one of (``streamrl.algorithms.distributed``);
+        ``None``: a single rank. Every rank constructs its learner together: rank 0's trainable weights are
+        broadcast to the others."""
         self.config = config or LearnerConfig()
+        self.group = group
         self.device = _device(self.config.device)
         self.pad_token_id = pad_token_id
         self.temperature = temperature
@@ -206,6 +285,8 @@ class Learner:
         self.model = model.to(self.device)
         self.model.eval()  # no dropout in rollouts or scoring; the loss is the same function in training
         self.params = list(trainable_parameters(self.model))
+        if self.group is not None:  # replicas start equal (a LoRA's random init, a rank's own load)
+            self.group.broadcast_([p.data for p in self.params])
         self.lr = self.config.lr
         self.optimizer = torch.optim.AdamW(self.params, lr=self.lr, weight_decay=self.config.weight_decay)
         self.total_steps = max(1, total_steps)
@@ -259,28 +340,28 @@ class Learner:
         self, episodes: Sequence[Episode], advantages: Sequence[float | torch.Tensor], algorithm: Algorithm
     ) -> dict[str, float]:
         """Train on ``episodes`` with one advantage entry per episode (``Algorithm.advantages``)."""
-        if len(advantages) != len(episodes):
-            raise ValueError(f"{len(advantages)} advantages for {len(episodes)} episodes")
+        (shard,) = shard_batch(episodes, advantages, 1, self.config.mini_batches)
+        return self.update_shard(shard, algorithm)
+
+    def update_shard(self, shard: Shard, algorithm: Algorithm) -> dict[str, float]:
+        """Train on this rank's ``shard`` of an update batch (``shard_batch``); every rank of ``self.group``
+        calls it at once with its own shard, and all return the metrics of the whole batch."""
         started = time.perf_counter()
-        rows = training_rows([e.trajectory for e in episodes])
-        if not rows:
+        rows = training_rows([e.trajectory for e in shard.episodes])
+        if not rows and self.group is None:
             raise ValueError("the update batch has no action tokens")
-        row_adv = self._spread(episodes, advantages, rows)
+        row_adv = self._spread(shard.episodes, shard.advantages, rows)
         old = self._row_logprobs(rows)
         sums: dict[str, float] = {}
         weight = 0.0
         grad_norms: list[float] = []
-        by_episode: dict[int, list[int]] = {}
-        for i, row in enumerate(rows):
-            by_episode.setdefault(row.episode, []).append(i)
-        episode_order = sorted(by_episode)
-        parts = max(1, min(self.config.mini_batches, len(episode_order)))
+        parts = shard.mini_batches
+        steps = [
+            [i for i, row in enumerate(rows) if shard.mini_batch[row.episode] == m] for m in range(parts)
+        ]
+        aggs = [algorithm.aggregation(mask) for mask in self._step_masks(shard, rows, steps)]
         for _ in range(self.config.epochs):
-            for m in range(parts):
-                mini = [i for e in episode_order[m::parts] for i in by_episode[e]]
-                lengths = torch.tensor([rows[i].sequence.num_action_tokens for i in mini])
-                step_mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
-                agg = algorithm.aggregation(step_mask)
+            for mini, agg in zip(steps, aggs, strict=True):
                 for chunk in self._micro_batches([rows[i] for i in mini]):
                     idx = [mini[j] for j in chunk]
                     batch = collate([rows[i].sequence for i in idx], self.pad_token_id).to(self.device)
@@ -305,17 +386,48 @@ class Learner:
                     sums["loss"] = sums.get("loss", 0.0) + float(out.loss.detach())
                     self._mismatch(inputs, sums)
                 grad_norms.append(self._step())
+        action_tokens = float(sum(len(a) for a in row_adv))
+        row_tokens = float(sum(len(r.sequence) for r in rows))
+        if self.group is not None:  # the whole batch's sums: each rank's diagnostics cover its own tokens
+            gathered = self.group.all_gather_object((sums, weight, action_tokens, row_tokens))
+            sums = {}
+            for rank_sums, *_ in gathered:
+                for key, value in rank_sums.items():
+                    sums[key] = sums.get(key, 0.0) + value
+            weight, action_tokens, row_tokens = (sum(g[k] for g in gathered) for k in (1, 2, 3))
         seconds = time.perf_counter() - started
         metrics = {k: (v if k == "loss" else v / max(weight, 1.0)) for k, v in sums.items()}
         metrics["loss"] = sums.get("loss", 0.0) / (self.config.epochs * parts)
         metrics.update(
             grad_norm=sum(grad_norms) / len(grad_norms),
             lr=self.optimizer.param_groups[0]["lr"],
-            action_tokens=float(sum(len(a) for a in row_adv)),
+            action_tokens=action_tokens,
             learner_seconds=seconds,
-            learner_tokens_per_s=float(sum(len(r.sequence) for r in rows)) * self.config.epochs / seconds,
+            learner_tokens_per_s=row_tokens * self.config.epochs / seconds,
         )
         return metrics
+
+    def _step_masks(
+        self, shard: Shard, rows: Sequence[TrainingRow], steps: Sequence[Sequence[int]]
+    ) -> list[torch.Tensor]:
+        """Each optimizer step's action mask over the whole batch (rows in batch order, one row per
+        sequence): what ``Algorithm.aggregation`` takes its counts from. With ranks, the ranks gather each
+        other's row lengths, so every rank divides by the batch's counts, never by its shard's."""
+        local = [
+            [(shard.positions[rows[i].episode], rows[i].sequence.num_action_tokens) for i in mini]
+            for mini in steps
+        ]
+        if self.group is not None:
+            gathered = self.group.all_gather_object(local)
+            # batch order: by episode (a stable sort keeps an episode's rows in sequence order)
+            local = [
+                sorted((row for g in gathered for row in g[m]), key=lambda r: r[0]) for m in range(len(steps))
+            ]
+        masks = []
+        for step in local:
+            lengths = torch.tensor([n for _, n in step])
+            masks.append(torch.arange(int(lengths.max()))[None, :] < lengths[:, None])
+        return masks
 
     @staticmethod
     def _mismatch(inputs: Any, sums: dict[str, float]) -> None:
@@ -331,12 +443,29 @@ class Learner:
             sums["is_log_weight_abs"] = sums.get("is_log_weight_abs", 0.0) + float(log_w.abs().sum())
 
     def _step(self) -> float:
+        if self.group is not None:
+            self._reduce_gradients()
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         return float(norm)
+
+    def _reduce_gradients(self) -> None:
+        """Sum the ranks' gradients (each rank's loss is already divided by the batch's counts, so the sum is
+        the whole batch's gradient). A parameter no rank's loss reached keeps no gradient, as with one rank;
+        one that only other ranks' shards reached gets theirs."""
+        assert self.group is not None
+        reached = torch.tensor([float(p.grad is not None) for p in self.params], device=self.device)
+        self.group.all_reduce_sum_([reached])
+        grads = []
+        for p, r in zip(self.params, reached.tolist(), strict=True):
+            if r:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+        self.group.all_reduce_sum_(grads)
 
     @staticmethod
     def _spread(
@@ -400,3 +529,7 @@ class Learner:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps = int(state["steps"])
+
+    def close(self) -> None:
+        """Release what the learner holds besides its own weights: nothing on one rank
+        (``streamrl.algorithms.distributed.DistributedLearner`` stops its other ranks)."""

@@ -108,7 +108,12 @@ class TrainConfig:
     env_workers: EnvWorkers = "subprocess"
     """Vector env workers: ``"subprocess"`` (default) or ``"inprocess"`` (debugging)."""
     threads: int = 1
-    """torch threads of the trainer process."""
+    """torch threads of the trainer process (and of each other learner rank's)."""
+    learner_ranks: int = 1
+    """Data-parallel learner ranks on this machine (``streamrl.algorithms.distributed``): the trainer's process is
+    rank 0, the others are processes it starts (one GPU each on CUDA, NCCL; gloo on CPU). Each trains a shard of
+    every update batch with the batch's global loss counts, so the update is the single-rank one. At most
+    ``batch``; a resumed run may change it."""
     seed: int = 0
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     algorithm: Mapping[str, Any] = field(default_factory=dict)
@@ -297,12 +302,17 @@ class Trainer:
             resolve_model(c.model)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
-        for name in ("updates", "batch", "num_envs", "threads", "keep_versions"):
+        for name in ("updates", "batch", "num_envs", "threads", "keep_versions", "learner_ranks"):
             if getattr(c, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(c, name)}")
         for name in ("max_staleness", "offline_rollouts", "eval_every", "eval_episodes", "checkpoint_every"):
             if getattr(c, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(c, name)}")
+        if c.learner_ranks > c.batch:
+            raise ConfigError(
+                f"learner_ranks={c.learner_ranks} is more than the batch ({c.batch} trajectories): every rank needs "
+                "at least one trajectory of each update; use learner_ranks <= batch"
+            )
         if c.keep_versions < c.max_staleness + 1:
             raise ConfigError(
                 f"keep_versions={c.keep_versions} must be >= max_staleness + 1 = {c.max_staleness + 1}"
@@ -339,7 +349,9 @@ class Trainer:
                 )
             mine = json.loads(json.dumps(self.config.to_dict()))
             changed = sorted(
-                k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k) and k != "updates"
+                k
+                for k in set(saved) | set(mine)
+                if saved.get(k) != mine.get(k) and k not in ("updates", "learner_ranks")
             )
             if changed:
                 diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {mine.get(k)!r}" for k in changed)
@@ -359,13 +371,27 @@ class Trainer:
             torch.manual_seed(derive_seed(c.seed, "learner"))
             policy = load_model(self.model_dir)
         total_steps = c.updates * c.learner.mini_batches * c.learner.epochs
-        self.learner = Learner(
-            policy,
-            c.learner,
-            pad_token_id=int(self.tokenizer.pad_token_id),
-            total_steps=total_steps,
-            temperature=c.temperature,
-        )
+        if c.learner_ranks > 1:
+            from streamrl.algorithms.distributed import DistributedLearner, LearnerSpec
+
+            spec = LearnerSpec(
+                str(self.model_dir),
+                c.learner,
+                pad_token_id=int(self.tokenizer.pad_token_id),
+                total_steps=total_steps,
+                temperature=c.temperature,
+                algorithm=c.algo,
+                threads=c.threads,
+            )
+            self.learner = DistributedLearner(policy, spec, c.learner_ranks)
+        else:
+            self.learner = Learner(
+                policy,
+                c.learner,
+                pad_token_id=int(self.tokenizer.pad_token_id),
+                total_steps=total_steps,
+                temperature=c.temperature,
+            )
         context = SetupContext(
             model_dir=self.model_dir,
             device=self.learner.device,
@@ -526,6 +552,7 @@ class Trainer:
     def close(self) -> None:
         self.venv.close()
         self.backend.close()
+        self.learner.close()
 
     # -- dispatch and rollout ----------------------------------------------------------------------------------
     def _capacity(self) -> int:

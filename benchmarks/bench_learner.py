@@ -1,17 +1,22 @@
-"""Learner throughput: tokens/s of ``Learner.update`` against the micro-batch size, full fine-tuning and LoRA.
+"""Learner throughput: tokens/s of ``Learner.update`` against the micro-batch size, full fine-tuning and LoRA,
+and data-parallel learner ranks.
 
     python benchmarks/bench_learner.py [--model tiny] [--episodes 64] [--micro 1024 4096 16384 65536]
-                                       [--repeats 1] [--out benchmarks/results/learner.json]
+                                       [--ranks 1 2] [--repeats 1] [--out benchmarks/results/learner.json]
 
 The batch is real: ``--episodes`` Math-TIR training episodes played once by the model through the runtime
 (``Rollouts`` / ``collect`` on a streaming vector env, the env spec's prompt, context policy and generation
 budget, temperature 1), as the trainer plays them. Each setting then times one SPO++ update on that batch
 (old log-probs recomputed, forward + backward in micro-batches of at most ``micro_batch_tokens`` padded
-tokens sorted by length, one AdamW step) with a fresh learner from the same weights (one untimed warm-up
-update on a few episodes first, per process); best of ``--repeats``. tokens/s counts the tokens of the batch's rows (not the padding), as the
-trainer's ``learner/learner_tokens_per_s`` does; the padded tokens and micro-batches per update are recorded
-beside it. Advantages alternate +1 / -1 by episode, so every setting does the same work whatever the
-rewards. CPU, 1 torch thread (docs/platform.md §3), the load average recorded: the machine may be shared.
+tokens sorted by length, one AdamW step) with a fresh learner from the same weights, after one untimed
+warm-up update of that learner on a few episodes; best of ``--repeats``. ``--ranks R``: the learner is
+``DistributedLearner`` with R gloo ranks (this process and R - 1 spawned ones, one torch thread each, the
+batch dealt by ``shard_batch``); the time is rank 0's wall time of ``update`` (shipping the shards
+included). tokens/s counts the tokens of the batch's rows (not the padding), as the trainer's
+``learner/learner_tokens_per_s`` does; the padded tokens and micro-batches per update (of one rank holding
+the whole batch) are recorded beside it. Advantages alternate +1 / -1 by episode, so every setting does the
+same work whatever the rewards. CPU, 1 torch thread per rank (docs/platform.md §3), the load average
+recorded: the machine may be shared, and R ranks need R idle cores to show their speed-up.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from streamrl.agents.base import GenerationBackend
 from streamrl.agents.env_specs import env_spec, make_env, task_ids_of
 from streamrl.agents.models import load_model, resolve_model
 from streamrl.algorithms.base import Algorithm, Episode, make_algorithm
-from streamrl.algorithms.learner import Learner, LearnerConfig
+from streamrl.algorithms.distributed import DistributedLearner, LearnerSpec
+from streamrl.algorithms.learner import Learner, LearnerConfig, shard_batch, training_rows
 from streamrl.algorithms.runtime import Job, Rollouts, collect
 from streamrl.algorithms.tracker import Ticket
 from streamrl.envs.vector import StreamingVectorEnv, VectorEnvConfig
@@ -91,30 +97,46 @@ def time_update(
     algorithm: Algorithm,
     config: LearnerConfig,
     repeats: int,
+    ranks: int = 1,
 ) -> dict[str, Any]:
-    """Best-of-``repeats`` seconds of one update, each with a fresh learner from the same weights."""
+    """Best-of-``repeats`` wall seconds of one update on ``ranks`` ranks, each with a fresh learner from the
+    same weights (warmed up by one update on a few episodes)."""
     advantages = alternating_advantages(episodes)
+    warm = max(2, ranks)
     runs = []
     for _ in range(repeats):
         torch.manual_seed(0)
-        learner = Learner(load_model(model_dir), config, pad_token_id=pad_token_id, total_steps=10)
-        runs.append(learner.update(episodes, advantages, algorithm))
-    best = min(runs, key=lambda m: m["learner_seconds"])
-    # the learner's own grouping (private helpers: what the update actually ran), for the padding it costs
-    rows = learner._rows([e.trajectory for e in episodes])
+        if ranks == 1:
+            learner = Learner(load_model(model_dir), config, pad_token_id=pad_token_id, total_steps=10)
+        else:
+            spec = LearnerSpec(str(model_dir), config, pad_token_id, total_steps=10, algorithm=algorithm.name)
+            learner = DistributedLearner(load_model(model_dir), spec, ranks)
+        try:
+            learner.update(episodes[:warm], advantages[:warm], algorithm)
+            started = time.perf_counter()
+            metrics = learner.update(episodes, advantages, algorithm)
+            runs.append({**metrics, "wall_seconds": time.perf_counter() - started})
+        finally:
+            learner.close()
+    best = min(runs, key=lambda m: m["wall_seconds"])
+    # the grouping one rank holding the whole batch runs (the learner's own helpers), for the padding it costs
+    rows = training_rows([e.trajectory for e in episodes])
     chunks = learner._micro_batches(rows)
     padded = sum(len(c) * max(len(rows[i].sequence) for i in c) for c in chunks)
     tokens = sum(len(r.sequence) for r in rows)
+    shards = shard_batch(episodes, advantages, ranks, config.mini_batches)
     return {
         "finetune": learner.finetune,
         "trainable_params": sum(p.numel() for p in learner.params),
+        "ranks": ranks,
+        "shard_action_tokens": [sum(e.num_action_tokens for e in s.episodes) for s in shards],
         "micro_batch_tokens": config.micro_batch_tokens,
         "micro_batches": len(chunks),
         "padded_tokens": padded,
         "padding_fraction": round(1 - tokens / padded, 4),
-        "seconds": round(best["learner_seconds"], 3),
-        "tokens_per_s": round(best["learner_tokens_per_s"], 1),
-        "seconds_all": [round(m["learner_seconds"], 3) for m in runs],
+        "seconds": round(best["wall_seconds"], 3),
+        "tokens_per_s": round(tokens * config.epochs / best["wall_seconds"], 1),
+        "seconds_all": [round(m["wall_seconds"], 3) for m in runs],
         "loss_finite": all(torch.isfinite(torch.tensor(m["loss"])).item() for m in runs),
     }
 
@@ -125,6 +147,7 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=64)
     parser.add_argument("--micro", nargs="+", type=int, default=[1024, 4096, 16384, 65536])
     parser.add_argument("--finetune", nargs="+", default=["full", "lora"], choices=["full", "lora"])
+    parser.add_argument("--ranks", nargs="+", type=int, default=[1], help="learner ranks (gloo) to time")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=HERE / "results" / "learner.json")
@@ -143,16 +166,16 @@ def main() -> None:
     shape = batch_shape(episodes)
     print(f"batch: {json.dumps(shape)} (played in {generation_s:.1f} s)", flush=True)
     algorithm = make_algorithm("spo++")
-    time_update(model_dir, pad, episodes[:4], algorithm, LearnerConfig(device="cpu"), 1)  # warm-up
     results = []
     for finetune in args.finetune:
         for micro in args.micro:
-            config = LearnerConfig(finetune=finetune, micro_batch_tokens=micro, device="cpu")
-            row = time_update(model_dir, pad, episodes, algorithm, config, args.repeats)
-            print(json.dumps(row), flush=True)
-            results.append(row)
+            for ranks in args.ranks:
+                config = LearnerConfig(finetune=finetune, micro_batch_tokens=micro, device="cpu")
+                row = time_update(model_dir, pad, episodes, algorithm, config, args.repeats, ranks)
+                print(json.dumps(row), flush=True)
+                results.append(row)
     report = {
-        "benchmark": "Learner.update tokens/s against micro_batch_tokens (SPO++ loss, one AdamW step)",
+        "benchmark": "Learner.update tokens/s against micro_batch_tokens and learner ranks (SPO++ loss, one AdamW step)",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "model": args.model,

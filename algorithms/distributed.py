@@ -1,0 +1,513 @@
+"""Data-parallel learner ranks on torch.distributed (gloo on CPU, NCCL on CUDA).
+
+R ranks each hold a replica of the policy; an update batch is dealt to them (``learner.shard_batch``: the
+same mini-batches as one rank, balanced by action tokens) and every rank runs ``Learner.update_shard`` on its
+shard. What makes the R-rank update the single-rank update (up to float rounding):
+
+- **Batch-global loss counts.** Every optimizer step's loss is divided by the counts of the *whole* step
+  (token-mean: N_tok; sequence-mean modes: B; Dr. GRPO: T_max), never by a rank's. The ranks all-gather the
+  step's row lengths (a few integers per row) and rebuild the step's full action mask, so
+  ``Algorithm.aggregation`` sees exactly the mask one rank would see: N_tok and B are summed and T_max is the
+  maximum over the ranks, and an algorithm's own aggregation gets the same. With its shard's own count a rank
+  would weigh its tokens by 1 / N_shard: the gradient would change with the split, and SPO++'s advantages,
+  which have zero mean under the token measure of the whole batch (Eq. 6), would not have it on a shard.
+- **Summed gradients.** Each rank back-propagates its micro-batches into its own ``.grad`` (plain gradient
+  accumulation), then one bucketed all-reduce per optimizer step *sums* the ranks' gradients (each rank's
+  loss is already divided by the global counts, so the sum is the batch's gradient; DDP's average would be
+  1/R of it). The norm is clipped on the summed gradient and every rank takes the same AdamW step.
+  ``DistributedDataParallel`` is not used: it reduces during the backward of every micro-batch unless each is
+  wrapped in ``no_sync``, it averages, it deadlocks a rank whose shard holds no row of a mini-batch, and it
+  renames the module's parameters (``module.``) under the trainer's save, probe and checkpoint code. One
+  reduction after accumulation does the same communication as DDP with ``no_sync`` (DDP would overlap it with
+  the last micro-batch's backward, a small gain next to the update).
+- **Equal replicas.** Rank 0's trainable weights are broadcast when the ranks build their learners;
+  checkpoints are loaded on every rank. Rank 0 saves, publishes and checkpoints.
+
+Launch (``DistributedLearner``): the trainer's process is rank 0; it starts ranks 1..R-1, each hosting a
+``LearnerRank`` (a plain class, ``LearnerRank(rank, world_size, init_method, spec)``), and ships each its
+shard per update through a ``RankHandle``: by default a spawned process (``ProcessRank`` running
+``serve_rank``) reached over a pipe; another launcher (Ray actors) passes its own ``start_rank``. The
+single-stream runtime stays in rank 0; only ``Learner.update`` and ``load_state_dict`` involve the other
+ranks. SAO's critic trains on rank 0 alone.
+
+FSDP (sharded parameters for models too large to replicate) is not wired: see docs/training.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import socket
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields, replace
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import torch
+import torch.distributed as dist
+from streamrl.algorithms.learner import Learner, LearnerConfig, Shard, shard_batch
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+    from streamrl.algorithms.base import Algorithm, Episode
+
+Backend = Literal["auto", "gloo", "nccl"]
+
+BUCKET_ELEMENTS = 1 << 24
+"""Gradient elements per all-reduce (64 MiB of fp32): one flat copy of a bucket at a time, not of the model."""
+
+
+class RankGroup:
+    """This process's place among ``world_size`` learner ranks: torch.distributed's default process group."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        init_method: str,
+        *,
+        backend: Backend = "auto",
+        timeout: timedelta = timedelta(minutes=30),
+    ) -> None:
+        """Join the group (blocks until all ``world_size`` ranks have joined). ``init_method``: a
+        torch.distributed URL every rank can reach, e.g. ``tcp://HOST:PORT`` (rank 0 listens there).
+        ``backend``: ``"auto"`` = NCCL when CUDA is available, else gloo. ``timeout``: how long a collective
+        may wait for the other ranks."""
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        if backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+        if dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is already initialized in this process: a process holds one learner rank"
+            )
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
+        dist.init_process_group(
+            self.backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
+        )
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order."""
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def all_reduce_sum_(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Sum ``tensors`` over the ranks, in place, in flat buckets of at most ``BUCKET_ELEMENTS``."""
+        for bucket in _buckets(tensors):
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            dist.all_reduce(flat)
+            _unflatten_into(flat, bucket)
+
+    def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+        """Overwrite ``tensors`` with rank ``src``'s, in place."""
+        for bucket in _buckets(tensors):
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            dist.broadcast(flat, src)
+            _unflatten_into(flat, bucket)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _buckets(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Consecutive tensors of one dtype and device, at most ``BUCKET_ELEMENTS`` each (a larger one alone)."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        if (
+            out
+            and size + t.numel() <= BUCKET_ELEMENTS
+            and (out[-1][0].dtype, out[-1][0].device) == (t.dtype, t.device)
+        ):
+            out[-1].append(t)
+            size += t.numel()
+        else:
+            out.append([t])
+            size = t.numel()
+    return out
+
+
+def _unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def parameter_digest(learner: Learner) -> str:
+    """SHA-256 of the learner's trainable weights (bytes, in parameter order): equal on equal replicas."""
+    h = hashlib.sha256()
+    for p in learner.params:
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _algorithm_fields(algorithm: Algorithm) -> dict[str, Any]:
+    return {f.name: getattr(algorithm.config, f.name) for f in fields(algorithm.config)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One rank
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LearnerSpec:
+    """What a learner rank needs to build its replica; picklable, the same for every rank."""
+
+    model_dir: str
+    """The starting model (a resolved Hugging Face directory; rank 0's weights overwrite the others')."""
+    config: LearnerConfig
+    pad_token_id: int
+    total_steps: int
+    temperature: float = 1.0
+    algorithm: str = "spo++"
+    """The algorithm class (``TrainConfig.algo``: a registry name, ``module:Class`` or ``file.py:Class``); its
+    config comes with each update. The ranks build it without ``setup``: its ``aggregation`` and
+    ``policy_loss`` must not need what ``setup`` builds (true of SPO, SPO++, GRPO and SAO)."""
+    threads: int = 1
+    """torch threads of the rank's process."""
+
+
+class LearnerRank:
+    """One learner rank (rank >= 1) of a ``DistributedLearner``: joins the group, builds its replica and
+    trains the shards rank 0 gives it. A plain class so any launcher can host it (``serve_rank`` here)."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        init_method: str,
+        spec: LearnerSpec,
+        *,
+        device: str | None = None,
+        backend: Backend = "auto",
+        timeout: timedelta = timedelta(minutes=30),
+        before_join: Callable[[], None] | None = None,
+    ) -> None:
+        """``device``: this rank's device (e.g. ``"cuda:1"``); ``None``: ``spec.config.device``.
+        ``before_join``: called with the model loaded, just before joining the group (what can fail has
+        failed by then: ``serve_rank`` tells rank 0, which joins only after every rank has)."""
+        from streamrl.agents.models import load_model
+        from streamrl.algorithms.base import algorithm_class
+
+        torch.set_num_threads(spec.threads)
+        self.algorithm_class = algorithm_class(spec.algorithm)
+        self._algorithm: Algorithm | None = None
+        config = spec.config if device is None else replace(spec.config, device=device)
+        if config.device.startswith("cuda:"):
+            torch.cuda.set_device(torch.device(config.device))  # NCCL's object collectives use it
+        model = load_model(spec.model_dir)
+        if before_join is not None:
+            before_join()
+        self.group = RankGroup(rank, world_size, init_method, backend=backend, timeout=timeout)
+        self.learner = Learner(
+            model,
+            config,
+            pad_token_id=spec.pad_token_id,
+            total_steps=spec.total_steps,
+            temperature=spec.temperature,
+            group=self.group,
+        )
+
+    def update(self, shard: Shard, algorithm_config: dict[str, Any]) -> dict[str, float]:
+        """``Learner.update_shard`` with the algorithm built from ``algorithm_config`` (its config's fields)."""
+        algorithm = self._algorithm
+        if algorithm is None or _algorithm_fields(algorithm) != algorithm_config:
+            cls = self.algorithm_class
+            algorithm = self._algorithm = cls(cls.config_class(**algorithm_config))
+        return self.learner.update_shard(shard, algorithm)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.learner.load_state_dict(state)
+
+    def digest(self) -> str:
+        return parameter_digest(self.learner)
+
+    def close(self) -> None:
+        self.group.close()
+
+
+def serve_rank(
+    conn: Connection, rank: int, world_size: int, init_method: str, spec: LearnerSpec, device: str | None
+) -> None:
+    """A rank's process: host a ``LearnerRank`` and run the ``(method, args)`` calls rank 0 sends on ``conn``,
+    answering ``("ok", result)`` or ``("error", traceback)``; ``None`` or a closed pipe ends it.
+
+    After an error it leaves the group at once: the other ranks' collectives then fail instead of waiting.
+    Ctrl-C is ignored: it is the trainer's to handle (it stops after the current update and checkpoints).
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        worker = LearnerRank(
+            rank,
+            world_size,
+            init_method,
+            spec,
+            device=device,
+            before_join=lambda: conn.send(("loaded", None)),
+        )
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    try:
+        conn.send(("ready", None))
+        while True:
+            try:
+                message = conn.recv()
+            except EOFError:  # rank 0 is gone
+                return
+            if message is None:
+                return
+            method, args = message
+            try:
+                result = getattr(worker, method)(*args)
+            except BaseException:
+                conn.send(("error", traceback.format_exc()))
+                return
+            conn.send(("ok", result))
+    finally:
+        worker.close()
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (for rank 0's ``tcp://127.0.0.1:PORT``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RankHandle(Protocol):
+    """Rank 0's line to another rank (a spawned process here; a Ray actor elsewhere).
+
+    ``receive`` answers, in order: ``("loaded", None)`` when the rank is about to join the group (rank 0 joins
+    only then, so a rank that cannot start fails fast instead of leaving rank 0 waiting in the rendezvous),
+    ``("ready", None)`` once its learner is built, then one ``("ok", result)`` or ``("error", traceback)`` per
+    ``send``; it raises ``RuntimeError`` when the rank is gone.
+    """
+
+    rank: int
+
+    def send(self, method: str, args: tuple[Any, ...]) -> None:
+        """Call ``LearnerRank.<method>(*args)`` on the rank, without waiting."""
+
+    def receive(self) -> tuple[str, Any]: ...
+
+    def failure(self, timeout: float) -> str | None:
+        """Why the rank stopped, if it stops within ``timeout`` seconds (its error, or its exit); else ``None``."""
+
+    def close(self) -> None:
+        """Stop the rank."""
+
+
+RankStarter = Callable[[int, int, str, LearnerSpec, "str | None"], RankHandle]
+"""``(rank, world_size, init_method, spec, device) -> RankHandle``: how ``DistributedLearner`` starts a rank."""
+
+
+class ProcessRank:
+    """A rank in a spawned process (``serve_rank``), reached over a pipe (``RankHandle``)."""
+
+    def __init__(
+        self, rank: int, world_size: int, init_method: str, spec: LearnerSpec, device: str | None
+    ) -> None:
+        import torch.multiprocessing as mp
+
+        context = mp.get_context("spawn")
+        self.rank = rank
+        self.conn, child = context.Pipe()
+        self.process = context.Process(
+            target=serve_rank,
+            args=(child, rank, world_size, init_method, spec, device),
+            name=f"streamrl-learner-rank-{rank}",
+            daemon=True,
+        )
+        self.process.start()
+        child.close()
+
+    def _gone(self) -> RuntimeError:
+        return RuntimeError(
+            f"learner rank {self.rank} exited (code {self.process.exitcode}) without an answer"
+        )
+
+    def send(self, method: str, args: tuple[Any, ...]) -> None:
+        try:
+            self.conn.send((method, args))
+        except OSError:  # BrokenPipeError: the rank is gone
+            raise self._gone() from None
+
+    def receive(self) -> tuple[str, Any]:
+        while not self.conn.poll(1.0):
+            if not self.process.is_alive():
+                raise self._gone()
+        try:
+            status, value = self.conn.recv()
+        except (EOFError, OSError):  # closed or reset: the rank is gone
+            raise self._gone() from None
+        return status, value
+
+    def failure(self, timeout: float) -> str | None:
+        self.process.join(timeout)  # a rank that failed leaves at once (serve_rank)
+        if self.process.is_alive():
+            return None
+        try:
+            if self.conn.poll():
+                status, value = self.conn.recv()
+                if status == "error":
+                    return str(value)
+        except (EOFError, OSError):
+            pass
+        return f"exited (code {self.process.exitcode})"
+
+    def close(self) -> None:
+        """Ask the rank to stop; a rank still running after 30 s is terminated."""
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+        self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout=5)
+        self.conn.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rank 0
+# ---------------------------------------------------------------------------------------------------------
+
+
+class DistributedLearner(Learner):
+    """The ``Learner`` of rank 0 of ``ranks`` data-parallel ranks (module doc), in the trainer's process.
+
+    It starts ranks 1..R-1 (``start_rank``; default: spawned processes on this machine), each a
+    ``LearnerRank`` on its own device (``cuda:r`` when the learner runs on CUDA, else the CPU), and drives
+    them: ``update`` deals the batch, ships each rank its shard and trains its own; ``load_state_dict`` loads a
+    checkpoint on every rank. Everything else (saving, publishing, scoring, ``state_dict``) is rank 0's alone:
+    the replicas are equal. ``close`` stops the ranks.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        spec: LearnerSpec,
+        ranks: int,
+        *,
+        init_method: str | None = None,
+        start_rank: RankStarter = ProcessRank,
+        timeout: timedelta = timedelta(minutes=30),
+    ) -> None:
+        """``model``: rank 0's policy (its weights are broadcast to the ranks); ``spec``: what the other ranks
+        build theirs from. ``init_method``: default ``tcp://127.0.0.1:<a free port>`` (ranks on this machine)."""
+        from streamrl.algorithms.base import algorithm_class
+
+        if ranks < 1:
+            raise ValueError(f"learner ranks must be >= 1, got {ranks}")
+        self._algorithm_class = algorithm_class(spec.algorithm)
+        init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
+        cuda = spec.config.device.startswith("cuda") or (
+            spec.config.device == "auto" and torch.cuda.is_available()
+        )
+        if cuda and start_rank is ProcessRank and torch.cuda.device_count() < ranks:
+            raise ValueError(f"{ranks} learner ranks need {ranks} GPUs, {torch.cuda.device_count()} visible")
+        self._ranks: list[RankHandle] = []
+        self.group = None
+        try:
+            for rank in range(1, ranks):
+                self._ranks.append(
+                    start_rank(rank, ranks, init_method, spec, f"cuda:{rank}" if cuda else None)
+                )
+            self._expect("loaded")
+            config = replace(spec.config, device="cuda:0") if cuda else spec.config
+            try:
+                group = RankGroup(0, ranks, init_method, timeout=timeout)
+                super().__init__(
+                    model,
+                    config,
+                    pad_token_id=spec.pad_token_id,
+                    total_steps=spec.total_steps,
+                    temperature=spec.temperature,
+                    group=group,
+                )
+            except RuntimeError as exc:
+                failure = self._rank_failure()
+                if failure is None:
+                    raise
+                raise failure from exc
+            self._expect("ready")
+        except BaseException:
+            self.close()
+            raise
+
+    def update(
+        self, episodes: Sequence[Episode], advantages: Sequence[float | torch.Tensor], algorithm: Algorithm
+    ) -> dict[str, float]:
+        """``Learner.update`` on all ranks: deal the batch (``shard_batch``), ship the shards, train rank 0's."""
+        if type(algorithm) is not self._algorithm_class:
+            raise ValueError(
+                f"the learner ranks were started for {self._algorithm_class.__qualname__}, "
+                f"not {type(algorithm).__qualname__}"
+            )
+        assert self.group is not None
+        shards = shard_batch(episodes, advantages, self.group.world_size, self.config.mini_batches)
+        config = _algorithm_fields(algorithm)
+        for handle, shard in zip(self._ranks, shards[1:], strict=True):
+            handle.send("update", (shard, config))
+        try:
+            metrics = self.update_shard(shards[0], algorithm)
+        except RuntimeError as exc:
+            failure = self._rank_failure()
+            if failure is None:
+                raise
+            raise failure from exc
+        self._results()
+        return metrics
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        for handle in self._ranks:
+            handle.send("load_state_dict", (state,))
+        self._results()
+
+    def digests(self) -> list[str]:
+        """Every rank's ``parameter_digest``, in rank order: all equal while the replicas agree."""
+        for handle in self._ranks:
+            handle.send("digest", ())
+        return [parameter_digest(self), *self._results()]
+
+    def close(self) -> None:
+        """Stop the other ranks and leave the group."""
+        for handle in self._ranks:
+            handle.close()
+        self._ranks = []
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    def _rank_failure(self) -> RuntimeError | None:
+        """After a collective of rank 0 failed: the error of the rank that took it down, if one stopped."""
+        for handle in self._ranks:
+            why = handle.failure(timeout=5.0)
+            if why is not None:
+                return RuntimeError(f"learner rank {handle.rank} failed:\n{why}")
+        return None
+
+    def _results(self) -> list[Any]:
+        out = []
+        for handle in self._ranks:
+            status, value = handle.receive()
+            if status != "ok":
+                raise RuntimeError(f"learner rank {handle.rank} failed:\n{value}")
+            out.append(value)
+        return out
+
+    def _expect(self, what: str) -> None:
+        for handle in self._ranks:
+            status, value = handle.receive()
+            if status != what:
+                raise RuntimeError(f"learner rank {handle.rank} failed to start:\n{value}")

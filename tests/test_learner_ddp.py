@@ -1,0 +1,274 @@
+"""The learner as data-parallel ranks under torch.distributed (gloo, CPU, one thread per rank).
+
+A 2-rank learner must make the single-rank update on the same batch: the gradient it steps with (summed over
+the ranks) equals the single-rank gradient to float32 rounding, and so do the weights after the AdamW step;
+every rank holds the same weights. The batch is real: five Math-TIR episodes played by ``tiny`` through the
+runtime, so the two ranks' shards differ in episodes and tokens (3 + 2 episodes). The loss counts (N_tok for
+SPO++'s token-mean, B and T_max for Dr. GRPO) must be the batch's on every rank: SPO++'s advantages have zero
+mean under the batch's token measure (Eq. 6) but not on a shard, and a rank that divided by its own count
+would change the gradient. Then a 2-rank ``streamrl train`` run, and bad input.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
+from streamrl.agents.models import load_model, load_tokenizer, resolve_model
+from streamrl.algorithms.base import Algorithm, Episode, make_algorithm
+from streamrl.algorithms.distributed import DistributedLearner, LearnerSpec, parameter_digest
+from streamrl.algorithms.learner import Learner, LearnerConfig, shard_batch
+from streamrl.algorithms.runtime import Job, Rollouts, collect
+from streamrl.algorithms.tracker import Ticket
+from streamrl.algorithms.train import ConfigError, TrainConfig, Trainer
+
+BASELINES = [0.9, 0.1, 0.6, 0.3, 0.75]
+"""Frozen task values on the tickets: ``tiny`` never wins, so SPO++'s advantages vary through these."""
+
+
+@pytest.fixture(scope="module")
+def episodes() -> list[Episode]:
+    """Five Math-TIR training episodes of ``tiny`` (16 new tokens a turn), with the baselines above."""
+    from streamrl.agents.base import SamplingParams
+    from streamrl.agents.env_specs import env_spec, make_env, task_ids_of
+    from streamrl.envs.vector import StreamingVectorEnv, VectorEnvConfig
+
+    spec = env_spec("math_tir")
+    probe = make_env("math_tir", spec.train_split)
+    tasks = task_ids_of(probe, "math_tir")[: len(BASELINES)]
+    probe.close()
+    backend = HFBackend("tiny", config=HFBackendConfig(device="cpu", seed=0))
+    venv = StreamingVectorEnv.from_env(
+        spec.gym_id, len(tasks), config=VectorEnvConfig(backend="inprocess"), split=spec.train_split
+    )
+    agent = spec.llm_agent(backend, SamplingParams(max_new_tokens=16, seed=3))
+    jobs = [Job(t, i, Ticket(t, 0, b, i, 0.0)) for i, (t, b) in enumerate(zip(tasks, BASELINES, strict=True))]
+    try:
+        done = collect(Rollouts(venv, agent, seed=3, lockstep=True), jobs)
+    finally:
+        venv.close()
+        backend.close()
+    done.sort(key=lambda f: f.job.key)
+    return [Episode(f.trajectory, f.job.ticket) for f in done]
+
+
+def spec_for(algorithm: str, **config: Any) -> LearnerSpec:
+    return LearnerSpec(
+        model_dir=str(resolve_model("tiny")),
+        config=LearnerConfig(**{"finetune": "full", "device": "cpu", **config}),
+        pad_token_id=int(load_tokenizer(resolve_model("tiny")).pad_token_id),
+        total_steps=4,
+        algorithm=algorithm,
+    )
+
+
+def record_steps(learner: Learner) -> list[list[torch.Tensor]]:
+    """The gradient of every optimizer step, as the optimizer sees it (summed over ranks, clipped)."""
+    grads: list[list[torch.Tensor]] = []
+
+    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        grads.append([p.grad.detach().clone() for p in learner.params])  # type: ignore[union-attr]
+
+    learner.optimizer.register_step_pre_hook(hook)
+    return grads
+
+
+def train_both(
+    spec: LearnerSpec, episodes: list[Episode], advantages: list[float], algorithm: Algorithm
+) -> tuple[dict[str, Any], dict[str, Any], DistributedLearner]:
+    """The update of one rank and of two ranks (left running: the caller closes it) on the same batch."""
+    runs = []
+    single = Learner(
+        load_model(spec.model_dir), spec.config, pad_token_id=spec.pad_token_id, total_steps=spec.total_steps
+    )
+    two = DistributedLearner(load_model(spec.model_dir), spec, 2)
+    try:
+        for learner in (single, two):
+            grads = record_steps(learner)
+            before = [p.detach().clone() for p in learner.params]
+            metrics = learner.update(episodes, advantages, algorithm)
+            runs.append({"grads": grads, "before": before, "after": list(learner.params), "metrics": metrics})
+    except BaseException:
+        two.close()
+        raise
+    return runs[0], runs[1], two
+
+
+def assert_same_update(one: dict[str, Any], two: dict[str, Any]) -> None:
+    """The same gradients at every step (to 1e-5 of their largest entry: float32 sums in another order), the
+    same weights after the steps, and the same metrics.
+
+    Weights: to 1e-6 relative in norm, and elementwise to 1e-6 of the largest weight wherever no step's
+    gradient is within 100 x Adam's eps (1e-8) of 0 without being 0. There, Adam's first step
+    lr g / (|g| + eps) has a slope of up to lr / eps = 1e4 and turns the 1e-10 rounding of a gradient entry
+    into 1e-6 of a weight.
+    """
+    assert len(one["grads"]) == len(two["grads"]) >= 1
+    for step_one, step_two in zip(one["grads"], two["grads"], strict=True):
+        scale = max(float(g.abs().max()) for g in step_one)
+        assert scale > 0
+        worst = max(float((a - b).abs().max()) for a, b in zip(step_one, step_two, strict=True))
+        assert worst <= 1e-5 * scale, (worst, scale)
+    for a, b in zip(one["before"], two["before"], strict=True):
+        assert torch.equal(a, b)
+    after_one = [p.detach() for p in one["after"]]
+    after_two = [p.detach() for p in two["after"]]
+    moved = max(float((a - b).abs().max()) for a, b in zip(after_one, one["before"], strict=True))
+    assert moved > 1e-5  # the steps moved the weights (lr 1e-4) ...
+    diff = torch.cat([(a - b).flatten() for a, b in zip(after_one, after_two, strict=True)])
+    norm = torch.cat([a.flatten() for a in after_one]).norm()
+    assert float(diff.norm()) <= 1e-6 * float(norm)  # ... the same way on both
+    flat = [torch.cat([g.flatten() for g in step]) for step in one["grads"]]
+    steady = torch.stack([(g.abs() > 1e-6) | (g == 0) for g in flat]).all(0)
+    assert float(steady.float().mean()) > 0.5
+    scale = max(float(a.abs().max()) for a in after_one)
+    assert float(diff[steady].abs().max()) <= 1e-6 * scale
+    for key in ("loss", "grad_norm", "clip_frac", "ppo_kl", "approx_kl", "entropy", "rollout_kl"):
+        assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-4, abs=1e-7), key
+    assert two["metrics"]["action_tokens"] == one["metrics"]["action_tokens"]
+
+
+def test_two_ranks_make_the_single_rank_spo_pp_update_and_keep_zero_mean(episodes: list[Episode]) -> None:
+    algorithm = make_algorithm("spo++")
+    advantages = [float(a) for a in algorithm.advantages(episodes)]
+    tokens = [e.num_action_tokens for e in episodes]
+    # Eq. 6: zero mean under the token measure of the whole batch ...
+    assert abs(sum(a * n for a, n in zip(advantages, tokens, strict=True))) < 1e-9
+    shards = shard_batch(episodes, advantages, 2)
+    shard_tokens = [sum(e.num_action_tokens for e in s.episodes) for s in shards]
+    assert sorted(len(s.episodes) for s in shards) == [2, 3] and shard_tokens[0] != shard_tokens[1]  # uneven
+    # ... but not on a shard: dividing by a shard's own count would give another loss and gradient
+    shard_sums = [
+        sum(float(a) * e.num_action_tokens for a, e in zip(s.advantages, s.episodes, strict=True))
+        for s in shards
+    ]
+    assert min(abs(x) for x in shard_sums) > 1.0
+    own_counts = -sum(x / n for x, n in zip(shard_sums, shard_tokens, strict=True))
+
+    one, two, learner = train_both(spec_for("spo++"), episodes, advantages, algorithm)
+    try:
+        assert_same_update(one, two)
+        # at the first step pi = pi_old and the rollout IS weight is ~1, so the token-mean loss is
+        # -sum_i A_i L_i / N_tok = 0 on the batch; with each rank's own count it would be ``own_counts``
+        assert abs(two["metrics"]["loss"]) < 1e-5 < 1e-3 < abs(own_counts)
+        digests = learner.digests()
+        assert digests[0] == digests[1] == parameter_digest(learner)
+        # a checkpoint loaded on rank 0 reaches every rank
+        state = learner.state_dict()
+        state["weights"] = {k: torch.zeros_like(v) for k, v in state["weights"].items()}
+        learner.load_state_dict(state)
+        zeroed = learner.digests()
+        assert zeroed[0] == zeroed[1] != digests[0]
+    finally:
+        learner.close()
+
+
+def test_mini_batches_and_dr_grpo_counts_are_the_batch_s_on_every_rank(episodes: list[Episode]) -> None:
+    """Dr. GRPO divides by B x T_max of the step: both must be the step's, not a shard's; two optimizer
+    steps (mini-batches of 3 and 2 episodes, each split over the ranks), on LoRA adapters."""
+    algorithm = make_algorithm("grpo", variant="dr-grpo", group_size=2)
+    advantages = [1.0, -0.5, 0.25, -1.0, 0.5]
+    spec = spec_for("grpo", finetune="lora", mini_batches=2, max_grad_norm=1e6)
+    one, two, learner = train_both(spec, episodes, advantages, algorithm)
+    try:
+        assert len(two["grads"]) == 2
+        assert_same_update(one, two)
+        # a rank that dies takes the update down with its error, not a hang
+        learner._ranks[0].process.kill()  # type: ignore[attr-defined]
+        with pytest.raises(RuntimeError, match="learner rank 1"):
+            learner.update(episodes, advantages, algorithm)
+        with pytest.raises(ValueError, match="started for GRPO, not SPOPP"):
+            learner.update(episodes, advantages, make_algorithm("spo++"))
+    finally:
+        learner.close()
+
+
+def test_a_two_rank_training_run_trains_like_one_rank(tmp_path: Path) -> None:
+    """``streamrl train`` with ``learner_ranks=2``: a synchronous SAO run of one update (the critic's values
+    make the advantages vary although ``tiny`` never wins; the critic trains on rank 0). The published weights
+    are those of the single-rank run (the two updates differ by less than 1e-3 of their size) and so are the
+    loss and the gradient norm: Adam's step hardly changes when every gradient is scaled alike (as one count
+    per rank on even shards would do), the norm does."""
+    from safetensors.torch import load_file
+
+    weights, rows = [], []
+    for ranks in (1, 2):
+        config = TrainConfig(
+            out=str(tmp_path / f"ranks{ranks}"),
+            env="math_tir",
+            algo="sao",
+            init="base",
+            updates=1,
+            batch=4,
+            num_envs=4,
+            tasks=4,
+            max_staleness=0,
+            offline_rollouts=0,
+            eval_every=0,
+            max_new_tokens=16,
+            env_workers="inprocess",
+            checkpoint_every=0,
+            learner_ranks=ranks,
+            algorithm={"warmup_updates": 0, "critic_updates": 1},
+        )
+        Trainer(config, log=lambda _: None, progress=False).run()
+        row = json.loads((tmp_path / f"ranks{ranks}" / "metrics.jsonl").read_text().splitlines()[-1])
+        assert row["learner/policy_trained"] == 1.0 and row["ledger/trained"] == 4
+        rows.append(row)
+        weights.append(load_file(str(tmp_path / f"ranks{ranks}" / "policy" / "v1" / "model.safetensors")))
+    start = load_file(str(resolve_model("tiny") / "model.safetensors"))
+    keys = sorted(weights[0])
+    step = torch.cat([(weights[0][k] - start[k]).flatten() for k in keys])
+    diff = torch.cat([(weights[0][k] - weights[1][k]).flatten() for k in keys])
+    assert float(step.abs().max()) > 1e-5  # the update moved the weights
+    assert float(diff.norm()) <= 1e-3 * float(step.norm())
+    for key in ("learner/grad_norm", "learner/action_tokens", "learner/critic/value_loss"):
+        assert rows[1][key] == pytest.approx(rows[0][key], rel=1e-4), key
+    assert rows[1]["learner/loss"] == pytest.approx(rows[0]["learner/loss"], abs=1e-6)  # ~0: whitened
+
+
+def test_shards_hold_the_single_rank_mini_batches_balanced_by_tokens(episodes: list[Episode]) -> None:
+    tokens = [e.num_action_tokens for e in episodes]
+    advantages = [float(i) for i in range(len(episodes))]
+    for mini_batches in (1, 2, 3):
+        for ranks in range(1, len(episodes) + 1):
+            shards = shard_batch(episodes, advantages, ranks, mini_batches)
+            assert shards == shard_batch(episodes, advantages, ranks, mini_batches)  # deterministic
+            assert sorted(p for s in shards for p in s.positions) == list(range(len(episodes)))
+            assert all(s.mini_batches == mini_batches for s in shards)
+            for s in shards:
+                assert s.positions == sorted(s.positions)
+                assert [episodes[p] for p in s.positions] == s.episodes
+                assert s.advantages == [advantages[p] for p in s.positions]
+                assert s.mini_batch == [p % mini_batches for p in s.positions]  # every episode has tokens
+            for m in range(mini_batches):  # dealt longest first to the lightest rank: within one episode
+                load = [
+                    sum(tokens[p] for p, b in zip(s.positions, s.mini_batch, strict=True) if b == m)
+                    for s in shards
+                ]
+                members = [tokens[p] for p in range(len(episodes)) if p % mini_batches == m]
+                assert max(load) - min(load) <= max(members)
+
+
+def test_bad_input_is_refused_with_the_valid_range(episodes: list[Episode], tmp_path: Path) -> None:
+    advantages = [0.0] * len(episodes)
+    with pytest.raises(ValueError, match="ranks must be >= 1, got 0"):
+        shard_batch(episodes, advantages, 0)
+    with pytest.raises(ValueError, match=r"6 learner ranks for an update batch of 5 trajectories.*at most 5"):
+        shard_batch(episodes, advantages, 6)
+    with pytest.raises(ValueError, match="learner ranks must be >= 1, got 0"):
+        DistributedLearner(None, spec_for("spo++"), 0)
+    # a rank that cannot build its replica fails the start with its error (rank 0 never waits to rendezvous)
+    missing = replace(spec_for("spo++"), model_dir=str(tmp_path / "no-model"))
+    with pytest.raises(RuntimeError, match=r"(?s)learner rank 1 failed to start.*no-model"):
+        DistributedLearner(load_model(resolve_model("tiny")), missing, 2)
+    base = dict(out=str(tmp_path / "run"), init="base", batch=4, tasks=4, env_workers="inprocess")
+    with pytest.raises(ConfigError, match="learner_ranks must be >= 1, got 0"):
+        Trainer(TrainConfig(**base, learner_ranks=0), progress=False)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="learner_ranks=5 is more than the batch \\(4 trajectories\\)"):
+        Trainer(TrainConfig(**base, learner_ranks=5), progress=False)  # type: ignore[arg-type]
