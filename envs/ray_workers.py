@@ -33,6 +33,7 @@ import contextlib
 import functools
 import os
 import socket
+import sys
 import traceback
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -94,8 +95,11 @@ class EnvActor:
     def __init__(self) -> None:
         self._host: EnvHost | None = None
 
-    def start(self, blob: bytes) -> tuple[WorkerHello, str]:
-        """Build the envs (``blob``: the pickled factories); the hello says why when they cannot be built."""
+    def start(self, parent_path: Sequence[str], blob: bytes) -> tuple[WorkerHello, str]:
+        """Build the envs (``blob``: the pickled factories); the hello says why when they cannot be built.
+        ``parent_path``: the caller's ``sys.path``, put first (as the process backend does), so factories
+        pickled by reference resolve; on another node only the entries that exist there matter."""
+        sys.path[:] = list(dict.fromkeys([*parent_path, *sys.path]))
         try:
             self._host = EnvHost(cloudpickle.loads(blob))
         except BaseException as exc:  # reported to the vector env, which raises WorkerStartError
@@ -133,7 +137,7 @@ class RayWorker(EnvWorker):
         # Restarts and retries are the vector env's business: Ray must not re-run an env call on its own.
         options = {**DEFAULT_ACTOR_OPTIONS, **(actor_options or {}), "max_restarts": 0, "max_task_retries": 0}
         self._actor = _remote_actor_class().options(**options).remote()
-        self._hello_ref: Any = self._actor.start.remote(cloudpickle.dumps(self.factories))
+        self._hello_ref: Any = self._actor.start.remote(list(sys.path), cloudpickle.dumps(self.factories))
         self._pending: deque[tuple[Any, Command]] = deque()  # (object ref, command), in submission order
         self._lost: str | None = None
         self._node: str | None = None
