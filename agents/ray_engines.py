@@ -50,7 +50,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
 from streamrl.agents.base import Generation, SamplingParams, request_seeds
 from streamrl.agents.hf_backend import HFBackend, HFBackendConfig, load_weights
@@ -67,7 +67,7 @@ from streamrl.envs.ray_workers import DEFAULT_ACTOR_OPTIONS, node_address, requi
 
 __all__ = ["EngineStartError", "RayEngines", "RolloutEngine"]
 
-EngineConfig = HFBackendConfig | VLLMBackendConfig
+EngineConfig: TypeAlias = HFBackendConfig | VLLMBackendConfig
 PolicyKind = Literal["base", "adapter", "weights"]
 
 

@@ -128,6 +128,8 @@ class RayWorker(EnvWorker):
     """A worker whose sub-envs live in a Ray actor (see the module doc); ``actor_options`` are laid over
     :data:`DEFAULT_ACTOR_OPTIONS` (``actor.options(**...)``: resources, scheduling, runtime env)."""
 
+    hello: WorkerHello | None
+
     def __init__(
         self, index: int, factories: Sequence[EnvFactory], actor_options: Mapping[str, Any] | None = None
     ) -> None:
@@ -165,7 +167,8 @@ class RayWorker(EnvWorker):
             if not ray.wait([self._hello_ref], timeout=0)[0]:
                 return []
             try:
-                self.hello, self._node = ray.get(self._hello_ref)
+                hello, self._node = ray.get(self._hello_ref)
+                self.hello = hello
             except ray.exceptions.RayActorError as exc:
                 self._lost = self._death_reason(exc)
                 raise WorkerLost(self._lost) from None
