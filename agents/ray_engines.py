@@ -32,8 +32,9 @@ engine is (``LLMAgent``, the trainer)::
   ``max_start_failures`` times in a row raises ``EngineStartError``.
 
 The model directory is read by each engine at the same path on its own node: on a cluster, put models (and
-``$STREAMRL_CACHE``, where SFT checkpoints are built) on storage every node mounts. Engines start with
-``OMP_NUM_THREADS=1`` and one CPU (``actor_options`` overrides them, e.g. ``{"num_gpus": 1}``).
+``$STREAMRL_CACHE``, where SFT checkpoints are built) on storage every node mounts. An engine reserves one CPU
+and no GPU unless ``actor_options`` says otherwise (e.g. ``{"num_gpus": 1}``), and runs as many torch threads
+(``OMP_NUM_THREADS``) as whole CPUs it reserves, at least one.
 """
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ class RayEngines:
     ) -> None:
         """``model``: a registry name or a local Hugging Face directory (at that path on every node).
         ``config``: each engine's ``HFBackendConfig`` (default) or ``VLLMBackendConfig``. ``actor_options``:
-        laid over one CPU and ``OMP_NUM_THREADS=1`` (``actor.options(**...)``, e.g. ``{"num_gpus": 1}``).
+        Ray's ``actor.options(**...)`` (resources, scheduling, runtime env), laid over one CPU (module doc).
         ``seed``: draws the request seeds of calls that name none. ``probe_atol``: the publication check's
         mean tolerance (``None``: by the engines' dtype, ``streamrl.agents.vllm_backend.probe_atol``)."""
         if engines < 1:
@@ -228,9 +229,12 @@ class RayEngines:
         self.model_path = str(resolve_model(model))
         self.config: EngineConfig = config if config is not None else HFBackendConfig()
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.model_path)
+        options = {**DEFAULT_ACTOR_OPTIONS, **(actor_options or {})}
+        if "runtime_env" not in (actor_options or {}):  # a CPU engine computes on the cores it reserves
+            threads = str(max(1, int(options["num_cpus"])))
+            options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": threads}}
         self.actor_options = {
-            **DEFAULT_ACTOR_OPTIONS,
-            **(actor_options or {}),
+            **options,
             "max_restarts": 0,  # replacing an engine is ours to do: it must be served the current policy
             "max_task_retries": 0,  # and a lost request is returned marked, never re-run
         }

@@ -19,10 +19,11 @@ model, whose rewards vary, Math-TIR, 16 new tokens a turn, 4 episodes an update)
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,17 @@ def test_ray_kill_of_an_env_actor_ends_its_episodes_once(tmp_path: Path) -> None
         fresh = venv.reset([0, 1], timeout=60)
         assert all(r.error is None for r in fresh) and venv.worker_pids()[0] not in (None, pid)
         assert len(fresh[0].obs) > 0 and EPISODE_LEN == 3
+        assert _threads(venv._books[0].worker.actor) == ("1", 1)
+
+
+def _threads(actor: Any) -> tuple[str | None, int]:
+    """An actor's OMP_NUM_THREADS and torch's thread count, asked inside it with ``__ray_call__`` (a lambda
+    travels by value: actors cannot import this test module)."""
+    ask: Callable[[Any], tuple[str | None, int]] = lambda _: (
+        os.environ.get("OMP_NUM_THREADS"),
+        torch.get_num_threads(),
+    )  # noqa: E731
+    return ray.get(actor.__ray_call__.remote(ask))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -137,6 +149,7 @@ def test_every_engine_must_serve_the_published_version(tmp_path: Path) -> None:
     with RayEngines(
         "tiny", HFBackendConfig(device="cpu"), engines=2, actor_options={"num_cpus": 0.5}
     ) as engines:
+        assert [_threads(actor) for actor in engines.actors] == [("1", 1)] * 2
         engines.set_weights(weights, 1)
         assert engines.adapter_version == 1
         served = [ray.get(actor.score.remote([probe], [1]))[0] for actor in engines.actors]
