@@ -23,7 +23,7 @@ import os
 import random
 import shutil
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -122,12 +122,12 @@ def test_ray_kill_of_an_env_actor_ends_its_episodes_once(tmp_path: Path) -> None
 
 
 def _threads(actor: Any) -> tuple[str | None, int]:
-    """An actor's OMP_NUM_THREADS and torch's thread count, asked inside it with ``__ray_call__`` (a lambda
-    travels by value: actors cannot import this test module)."""
-    ask: Callable[[Any], tuple[str | None, int]] = lambda _: (
-        os.environ.get("OMP_NUM_THREADS"),
-        torch.get_num_threads(),
-    )  # noqa: E731
+    """An actor's OMP_NUM_THREADS and torch's thread count, asked inside it with ``__ray_call__`` (a local
+    function travels by value: actors cannot import this test module)."""
+
+    def ask(_: Any) -> tuple[str | None, int]:
+        return os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
+
     return ray.get(actor.__ray_call__.remote(ask))
 
 
