@@ -86,13 +86,20 @@ class SamplingParams:
 
 @dataclass
 class Generation:
-    """One completion: the sampled token ids, the engine's log-prob of each, and why it stopped."""
+    """One completion: the sampled token ids, the engine's log-prob of each, and why it stopped.
+
+    ``error`` is set, with no tokens, when the backend lost the request: the engine serving it died
+    (``streamrl.agents.ray_engines.RayEngines`` replaces it). The request is never retried, so no sample is
+    silently redrawn; ``LLMAgent`` ends such an episode as failed, as the vector env ends the episodes of a
+    dead env worker.
+    """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
     adapter_version: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
 
 
 @runtime_checkable

@@ -37,6 +37,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -111,6 +112,23 @@ def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     return torch.log_softmax(scaled, dim=-1)
+
+
+def load_weights(model: Any, directory: str | os.PathLike[str]) -> None:
+    """Load the full model weights saved in ``directory`` (``*.safetensors``, as ``save_pretrained`` writes
+    them) into ``model`` in place: how a served model takes a fully fine-tuned policy. ``ValueError`` when they
+    do not fit it (a tied ``lm_head.weight``, not saved twice, may be missing)."""
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        weights.update(load_file(str(path)))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = {k for k in missing if k.endswith("lm_head.weight")}
+    if set(missing) - tied or unexpected:
+        raise ValueError(
+            f"{directory}: weights do not fit the served model (missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})"
+        )
 
 
 def _is_peft_model(model: Any) -> bool:

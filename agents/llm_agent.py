@@ -23,6 +23,9 @@ samples, and a run replays exactly from its seed and episode ids. The seed is ke
 ``TurnRecord.seed``: a turn's tokens are ``backend.generate([prompt], params, seeds=[seed])``. With
 ``sampling.seed=None`` the backend's own generator draws every seed (``TurnRecord.seed`` is then ``None``).
 
+Lost generations: a backend that loses a request (``Generation.error``: a rollout engine died) gets no turn
+recorded for it; ``lost(episode_id)`` says why, and the episode must end there (the runtime ends it as failed).
+
 Outcomes: ``play_episode`` fills reward / won / terminated / truncated and the final info into the record it
 returns; whoever steps the env itself (a vector env's runtime) calls ``Trajectory.set_outcome``::
 
@@ -122,6 +125,7 @@ class _Episode:
     sequence: TokenSequence | None = None
     last_generated: list[int] = field(default_factory=list)
     exhausted: bool = False
+    lost: str | None = None  # why the backend lost the last generation (Generation.error)
     last_return: float | None = None
     tool_calls: int = 0  # the env's cumulative info["tool_calls"] seen so far
 
@@ -266,6 +270,9 @@ class LLMAgent:
             generations = self.backend.generate([ids for _, _, ids, _ in group], params, seeds)
             seconds = time.perf_counter() - started
             for j, ((i, episode, ids, start), gen) in enumerate(zip(group, generations, strict=True)):
+                if gen.error is not None:  # no turn to record: the episode ends here (``lost``)
+                    episode.lost = gen.error
+                    continue
                 seed = None if seeds is None else seeds[j]
                 actions[i] = self._record_turn(episode, ids, start, gen, seed, seconds, infos[i])
         now = time.perf_counter()
@@ -349,6 +356,13 @@ class LLMAgent:
         whose env failed before the agent ever acted. Unknown ids are ignored."""
         self._pending.pop(episode_id, None)
         self._episodes.pop(episode_id, None)
+
+    def lost(self, episode_id: EpisodeId) -> str | None:
+        """Why the backend lost the last generation of ``episode_id`` (``Generation.error``: its engine died),
+        or ``None``. A lost episode's action from ``act`` is ``""`` and must not be played: the caller ends the
+        episode as failed (the runtime does, like an env worker's failure)."""
+        episode = self._episodes.get(episode_id)
+        return None if episode is None else episode.lost
 
     def action_tokens(self, episode_id: EpisodeId) -> int:
         """Tokens generated so far in the running episode ``episode_id`` (0 before its first ``act``)."""

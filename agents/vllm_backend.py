@@ -169,6 +169,17 @@ class VLLMBackendConfig:
 # Adapter probes
 
 
+def probe_atol(dtype: str) -> float:
+    """The default tolerance of a probe check (mean |served - expected| log-prob, nats/token) for an engine
+    running in ``dtype``: 1e-3 in float32, 0.2 in 16-bit (``VLLMBackendConfig.adapter_atol`` says why)."""
+    return 1e-3 if dtype == "float32" else 0.2
+
+
+def probe_mismatch(served: Sequence[float], expected: Sequence[float]) -> tuple[float, float]:
+    """``(mean, max)`` of ``|served - expected|`` over a probe's log-probs: what the probe checks compare."""
+    return _mean_abs_diff(served, expected), _max_abs_diff(served, expected)
+
+
 def _mean_abs_diff(a: Sequence[float], b: Sequence[float]) -> float:
     return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / max(len(a), 1)
 
@@ -653,7 +664,7 @@ class VLLMBackend:
             self._base_probe[key] = await self._served_probe(ids, None)
         base = self._base_probe[key]
         atol = self.adapter_atol
-        error, worst = _mean_abs_diff(served, expected), _max_abs_diff(served, expected)
+        error, worst = probe_mismatch(served, expected)
         if error <= atol:
             if _mean_abs_diff(base, expected) <= atol:
                 logger.info(
@@ -681,7 +692,7 @@ class VLLMBackend:
         """Tolerance of the adapter check (``VLLMBackendConfig.adapter_atol``, else by dtype)."""
         if self.config.adapter_atol is not None:
             return self.config.adapter_atol
-        return 1e-3 if self.dtype == "float32" else 0.2
+        return probe_atol(self.dtype)
 
     # -- the GenerationBackend protocol (synchronous) ---------------------------------------------------------
 
@@ -778,6 +789,8 @@ __all__ = [
     "VLLMBackend",
     "VLLMBackendConfig",
     "cpu_engine_environment",
+    "probe_atol",
+    "probe_mismatch",
     "probe_token_ids",
     "read_adapter_probe",
     "write_adapter_probe",

@@ -4,7 +4,9 @@
 the dispatcher's ticket) occupies one sub-env until its episode ends. ``poll`` receives whichever sub-envs
 are ready, asks the ``LLMAgent`` for all their actions in one batched generation, sends them, and returns
 the episodes that finished -- first-ready, so a long episode never holds up a short one. An episode whose
-env worker failed comes back too, its trajectory marked with ``info["error"]``.
+env worker failed comes back too, its trajectory marked with ``info["error"]``; so does one whose generation
+the backend lost (``LLMAgent.lost``: a rollout engine died), with ``info["error_kind"] = "engine"``; its
+sub-env is reset for the next job.
 
 Batch window. The backend serves one call at a time, and a call costs about the same for one row as for
 many (a batched engine decodes every row in the same steps). An episode whose env step ends just after a
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from streamrl.agents.base import EpisodeId, derive_seed
@@ -57,6 +59,10 @@ class RolloutAgent(Protocol):
     def discard(self, episode_id: EpisodeId) -> None: ...
 
     def action_tokens(self, episode_id: EpisodeId) -> int: ...
+
+    def lost(self, episode_id: EpisodeId) -> str | None:
+        """Why the agent's backend lost the episode's last generation (``LLMAgent.lost``), or ``None``."""
+        ...
 
     @property
     def active_episodes(self) -> list[EpisodeId]: ...
@@ -202,8 +208,14 @@ class Rollouts:
             self.generation_seconds += seconds
             self._call_seconds = _average(self._call_seconds, seconds)
             self.generated_tokens += self._tokens_of([run for run, _ in to_act]) - before
-            for (run, _), action in zip(to_act, actions, strict=True):
-                self.venv.send([run.env_id], [action])
+            for (run, result), action in zip(to_act, actions, strict=True):
+                lost = self.agent.lost(run.job.key)
+                if lost is None:
+                    self.venv.send([run.env_id], [action])
+                else:  # its rollout engine died: the episode ends as failed, as an env worker's would
+                    info = {"error": lost, "error_kind": "engine"}
+                    failure = replace(result, terminated=False, truncated=True, info=info, error=lost)
+                    finished.append(self._finish(failure, run))
         return finished
 
     def _tokens_of(self, runs: Iterable[_Running]) -> int:

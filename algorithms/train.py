@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from streamrl.agents.base import GenerationBackend, SamplingParams, derive_seed
@@ -50,9 +50,23 @@ from streamrl.algorithms.runtime import Finished, Job, Rollouts, collect
 from streamrl.algorithms.tracker import EventTracker, Ticket
 from streamrl.envs.cache import atomic_write_text
 
+if TYPE_CHECKING:
+    from streamrl.envs.vector import VectorEnvConfig
+
 BackendName = Literal["hf", "vllm"]
 Init = Literal["sft", "base"]
 EnvWorkers = Literal["subprocess", "inprocess"]
+Cluster = Literal["local", "ray"]
+PLACEMENT = (
+    "cluster",
+    "address",
+    "env_actors",
+    "env_actor_cpus",
+    "rollout_engines",
+    "engine_cpus",
+    "engine_gpus",
+)
+"""TrainConfig fields that say where the work runs, not what is trained: a run may resume elsewhere."""
 
 
 @dataclass(frozen=True)
@@ -104,9 +118,28 @@ class TrainConfig:
     keep_versions: int = 3
     """Published policy versions kept on disk (at least max_staleness + 1)."""
     overlap: bool | None = None
-    """Generate while the learner updates; ``None`` = only with an out-of-process backend (vLLM)."""
+    """Generate while the learner updates; ``None`` = only with an out-of-process backend (vLLM, Ray engines)."""
     env_workers: EnvWorkers = "subprocess"
-    """Vector env workers: ``"subprocess"`` (default) or ``"inprocess"`` (debugging)."""
+    """Vector env workers: ``"subprocess"`` (default) or ``"inprocess"`` (debugging); with ``cluster="ray"``
+    they are Ray actors."""
+    cluster: Cluster = "local"
+    """Where env workers and rollout engines run: ``"local"`` (this process and its subprocesses) or ``"ray"``
+    (Ray actors on the cluster at ``address``: README "Scaling out"). The learner runs in this process."""
+    address: str | None = None
+    """``cluster="ray"``: the Ray cluster to join (``ray start --head`` prints it; ``"auto"``: the cluster this
+    node belongs to); ``None``: start a local Ray instance (or join the one ``RAY_ADDRESS`` names)."""
+    env_actors: int | None = None
+    """``cluster="ray"``: Ray actors hosting the ``num_envs`` sub-envs, which they share evenly (it must divide
+    ``num_envs``); ``None``: one per sub-env."""
+    env_actor_cpus: float = 1.0
+    """``cluster="ray"``: CPUs Ray reserves for each env actor."""
+    rollout_engines: int = 1
+    """Rollout engines (``cluster="ray"``: Ray actors, each a ``backend`` engine with its own copy of the model;
+    each request goes to the least loaded). Must be 1 with ``cluster="local"``."""
+    engine_cpus: float = 1.0
+    """``cluster="ray"``: CPUs Ray reserves for each rollout engine."""
+    engine_gpus: float = 0.0
+    """``cluster="ray"``: GPUs Ray gives each rollout engine (0: CPU engines; a fraction packs several on a GPU)."""
     threads: int = 1
     """torch threads of the trainer process (and of each other learner rank's)."""
     learner_ranks: int = 1
@@ -302,9 +335,18 @@ class Trainer:
             resolve_model(c.model)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
-        for name in ("updates", "batch", "num_envs", "threads", "keep_versions", "learner_ranks"):
+        for name in (
+            "updates",
+            "batch",
+            "num_envs",
+            "threads",
+            "keep_versions",
+            "learner_ranks",
+            "rollout_engines",
+        ):
             if getattr(c, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(c, name)}")
+        self._validate_cluster()
         for name in ("max_staleness", "offline_rollouts", "eval_every", "eval_episodes", "checkpoint_every"):
             if getattr(c, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(c, name)}")
@@ -351,17 +393,50 @@ class Trainer:
             changed = sorted(
                 k
                 for k in set(saved) | set(mine)
-                if saved.get(k) != mine.get(k) and k not in ("updates", "learner_ranks")
+                if saved.get(k) != mine.get(k) and k not in ("updates", "learner_ranks", *PLACEMENT)
             )
             if changed:
                 diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {mine.get(k)!r}" for k in changed)
                 raise ConfigError(f"cannot resume {self.run_dir} with a different config ({diffs})")
 
+    def _validate_cluster(self) -> None:
+        c = self.config
+        if c.cluster not in ("local", "ray"):
+            raise ConfigError(f"cluster must be 'local' or 'ray', got {c.cluster!r}")
+        defaults = {f.name: f.default for f in fields(TrainConfig)}
+        if c.cluster == "local":
+            given = [f"{k}={getattr(c, k)!r}" for k in PLACEMENT[1:] if getattr(c, k) != defaults[k]]
+            if given:
+                raise ConfigError(
+                    f"{', '.join(given)} apply to cluster='ray' only; this run has cluster='local'"
+                )
+            return
+        if c.env_workers == "inprocess":
+            raise ConfigError(
+                "env_workers='inprocess' is for cluster='local'; with cluster='ray' envs run in Ray actors"
+            )
+        if c.env_actors is not None and not (
+            1 <= c.env_actors <= c.num_envs and c.num_envs % c.env_actors == 0
+        ):
+            raise ConfigError(
+                f"env_actors={c.env_actors} must divide num_envs={c.num_envs} (each actor hosts num_envs / "
+                "env_actors sub-envs)"
+            )
+        for name in ("env_actor_cpus", "engine_cpus", "engine_gpus"):
+            if not getattr(c, name) >= 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(c, name)}")
+        from streamrl.envs.ray_workers import require_ray
+
+        try:
+            require_ray()
+        except ImportError as exc:
+            raise ConfigError(f"cluster='ray' needs Ray: {exc}") from exc
+
     # -- construction ----------------------------------------------------------------------------------------
     def _build(self) -> None:
         from streamrl.agents.env_specs import env_spec, make_env, task_ids_of
         from streamrl.agents.models import load_model, load_tokenizer
-        from streamrl.envs.vector import StreamingVectorEnv, VectorEnvConfig
+        from streamrl.envs.vector import StreamingVectorEnv
 
         c = self.config
         self.spec = env_spec(c.env)
@@ -405,6 +480,11 @@ class Trainer:
             self.algorithm.setup(context)
         except ValueError as exc:  # e.g. SAO's critic_init does not fit the starting model
             raise ConfigError(f"{self.algorithm.name}: {exc}") from exc
+        self._ray_connected = False
+        if c.cluster == "ray":
+            from streamrl.envs.ray_workers import connect
+
+            self._ray_connected = connect(c.address)  # and so this trainer disconnects at close()
         self.backend = self._given_backend if self._given_backend is not None else self._make_backend()
         max_new = c.max_new_tokens or self.spec.max_new_tokens
         self.sampling = SamplingParams(
@@ -437,16 +517,15 @@ class Trainer:
             )
         self.task_ids = task_ids
         self.tracker = EventTracker(task_ids, self.algorithm.tracker_config(derive_seed(c.seed, "tracker")))
-        workers = VectorEnvConfig(backend=c.env_workers)
         env_kwargs = {**self.spec.env_kwargs, **c.env_kwargs}
         self.venv = StreamingVectorEnv.from_env(
-            self.spec.gym_id, c.num_envs, config=workers, split=self.spec.train_split, **env_kwargs
+            self.spec.gym_id, c.num_envs, config=self._workers(), split=self.spec.train_split, **env_kwargs
         )
         lockstep = c.max_staleness == 0
         self.rollouts = Rollouts(
             self.venv, self.agent, seed=derive_seed(c.seed, "rollouts"), lockstep=lockstep
         )
-        self.overlap = c.overlap if c.overlap is not None else c.backend == "vllm"
+        self.overlap = c.overlap if c.overlap is not None else (c.backend == "vllm" or c.cluster == "ray")
         self.eval_split = c.eval_split or self.spec.eval_splits[0]
         self.eval_tasks = self._eval_tasks()
         # state
@@ -465,23 +544,43 @@ class Trainer:
         self.probe = self._probe_sequence()
 
     def _make_backend(self) -> Any:
-        c = self.config
-        if c.backend == "vllm":
-            from streamrl.agents.vllm_backend import VLLMBackend, VLLMBackendConfig
-
-            return VLLMBackend(
-                str(self.model_dir),
-                config=VLLMBackendConfig(
-                    max_lora_rank=c.learner.lora_rank, max_loras=c.keep_versions, seed=c.seed
-                ),
-            )
         from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
+        from streamrl.agents.vllm_backend import VLLMBackend, VLLMBackendConfig
 
+        c = self.config
+        config: HFBackendConfig | VLLMBackendConfig
+        if c.backend == "vllm":
+            config = VLLMBackendConfig(
+                max_lora_rank=c.learner.lora_rank, max_loras=c.keep_versions, seed=c.seed
+            )
+        else:  # an engine actor takes the device Ray gave it
+            config = HFBackendConfig(device=c.learner.device if c.cluster == "local" else "auto", seed=c.seed)
+        if c.cluster == "ray":
+            from streamrl.agents.ray_engines import RayEngines
+
+            resources = {"num_cpus": c.engine_cpus, "num_gpus": c.engine_gpus}
+            return RayEngines(
+                self.model_dir,
+                config,
+                engines=c.rollout_engines,
+                actor_options=resources,
+                tokenizer=self.tokenizer,
+            )
+        if isinstance(config, VLLMBackendConfig):
+            return VLLMBackend(str(self.model_dir), config=config)
         # The rollout backend has weights of its own: what it serves changes only at publication.
-        return HFBackend(
-            self.model_dir,
-            tokenizer=self.tokenizer,
-            config=HFBackendConfig(device=c.learner.device, seed=c.seed),
+        return HFBackend(self.model_dir, tokenizer=self.tokenizer, config=config)
+
+    def _workers(self) -> VectorEnvConfig:
+        """How the sub-envs are hosted (``VectorEnvConfig``): local worker processes, or Ray actors."""
+        from streamrl.envs.vector import VectorEnvConfig
+
+        c = self.config
+        if c.cluster == "local":
+            return VectorEnvConfig(backend=c.env_workers)
+        per_actor = c.num_envs // (c.env_actors or c.num_envs)
+        return VectorEnvConfig(
+            backend="ray", envs_per_worker=per_actor, ray_actor_options={"num_cpus": c.env_actor_cpus}
         )
 
     def _eval_tasks(self) -> list[str]:
@@ -553,6 +652,10 @@ class Trainer:
         self.venv.close()
         self.backend.close()
         self.learner.close()
+        if self._ray_connected:
+            import ray
+
+            ray.shutdown()
 
     # -- dispatch and rollout ----------------------------------------------------------------------------------
     def _capacity(self) -> int:
@@ -774,18 +877,16 @@ class Trainer:
         if self.learner.finetune == "lora":
             self.backend.set_adapter(str(policy_dir), version)
             return
-        from safetensors.torch import load_file
+        from streamrl.agents.hf_backend import load_weights
+        from streamrl.agents.ray_engines import RayEngines
 
-        weights: dict[str, torch.Tensor] = {}
-        for path in sorted(policy_dir.glob("*.safetensors")):
-            weights.update(load_file(str(path)))
-        model = self.backend.model
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        tied = {k for k in missing if k.endswith("lm_head.weight")}  # tied to the embeddings, not saved twice
-        if set(missing) - tied or unexpected:
-            raise PublishError(
-                f"{policy_dir}: weights do not fit the served model (missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})"
-            )
+        if isinstance(self.backend, RayEngines):  # engines elsewhere: each loads the files itself
+            self.backend.set_weights(str(policy_dir), version)
+            return
+        try:
+            load_weights(self.backend.model, policy_dir)
+        except ValueError as exc:
+            raise PublishError(str(exc)) from exc
         self.backend.set_adapter(None, version)
 
     # -- metrics ----------------------------------------------------------------------------------------------------
@@ -880,12 +981,12 @@ class Trainer:
     # -- offline values and evaluation ------------------------------------------------------------------------
     def _side_rollouts(self, split: str, temperature: float, seed: int) -> Rollouts:
         """Rollouts on ``split`` with the current policy, apart from training (offline values, evaluation)."""
-        from streamrl.envs.vector import StreamingVectorEnv, VectorEnvConfig
+        from streamrl.envs.vector import StreamingVectorEnv
 
         venv = StreamingVectorEnv.from_env(
             self.spec.gym_id,
             self.config.num_envs,
-            config=VectorEnvConfig(backend=self.config.env_workers),
+            config=self._workers(),
             split=split,
             **{**self.spec.env_kwargs, **self.config.env_kwargs},
         )

@@ -40,9 +40,11 @@ failure is raised in the parent instead, Gymnasium-style (:class:`SubEnvError`, 
 and chained to the env's own exception); the worker is still replaced, so the env stays usable.
 ``close()`` reaps every worker; so does garbage collection and interpreter exit.
 
-Workers (``streamrl.envs.vector_workers``): subprocesses by default, in-process for debugging; the
-``EnvWorker`` interface documented there is what a Ray actor backend implements to slot in. Results cross
-the process boundary as pickles; the parent's overhead is one pipe round trip per call (~0.1-0.2 ms).
+Workers (``streamrl.envs.vector_workers``): subprocesses by default, in-process for debugging, or Ray
+actors anywhere in a cluster (``backend="ray"``, ``streamrl.envs.ray_workers``); all three implement the
+``EnvWorker`` interface documented there, and the deadlines, replacement and exactly-once rules above are
+this module's, the same for each. Results cross the process boundary as pickles; the parent's overhead is
+one pipe round trip per call (~0.1-0.2 ms) with worker processes.
 
 :class:`LockstepVectorEnv` is a ``gymnasium.vector.VectorEnv`` over the same workers for code that wants
 Gymnasium's batched ``step``/``reset``.
@@ -101,8 +103,10 @@ class VectorEnvConfig:
     """How sub-envs are hosted and guarded. Every field has a safe default.
 
     Attributes:
-        backend: ``"subprocess"`` (default: one process per worker, timeouts and memory limits enforced)
-            or ``"inprocess"`` (run in the caller, for tests and debugging; no timeouts, no memory limit).
+        backend: ``"subprocess"`` (default: one process per worker, timeouts and memory limits enforced),
+            ``"inprocess"`` (run in the caller, for tests and debugging; no timeouts, no memory limit) or
+            ``"ray"`` (one Ray actor per worker, on any node of the cluster this process joined; timeouts
+            enforced, memory limits for actors on this node; ``streamrl.envs.ray_workers``).
         start_method: ``"spawn"`` (default): each worker is a fresh interpreter that does not re-import
             the caller's ``__main__`` (no ``__main__`` guard needed, none of the script's imports paid);
             ``"forkserver"``: ``multiprocessing``'s forkserver, faster restarts but needs the guard.
@@ -125,9 +129,12 @@ class VectorEnvConfig:
         close_timeout: seconds ``close()`` lets workers close their envs before killing them. Default 10.
         max_start_failures: a worker slot whose replacement dies this many times in a row before it is
             up raises :class:`WorkerStartError` instead of retrying forever. Default 3.
+        ray_actor_options: ``backend="ray"`` only: options of each worker's actor (``actor.options(**...)``:
+            resources such as ``{"num_cpus": 0.5}``, scheduling, runtime env), laid over
+            ``streamrl.envs.ray_workers.DEFAULT_ACTOR_OPTIONS`` (one CPU, ``OMP_NUM_THREADS=1``).
     """
 
-    backend: Literal["subprocess", "inprocess"] = "subprocess"
+    backend: Literal["subprocess", "inprocess", "ray"] = "subprocess"
     start_method: Literal["spawn", "forkserver"] = "spawn"
     envs_per_worker: int = 1
     autoreset_mode: AutoresetMode | str = AutoresetMode.DISABLED
@@ -139,10 +146,13 @@ class VectorEnvConfig:
     strict: bool = False
     close_timeout: float = 10.0
     max_start_failures: int = 3
+    ray_actor_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.backend not in ("subprocess", "inprocess"):
-            raise ValueError(f"backend must be 'subprocess' or 'inprocess', got {self.backend!r}")
+        if self.backend not in ("subprocess", "inprocess", "ray"):
+            raise ValueError(f"backend must be 'subprocess', 'inprocess' or 'ray', got {self.backend!r}")
+        if self.ray_actor_options and self.backend != "ray":
+            raise ValueError(f"ray_actor_options apply to backend='ray' only, got backend={self.backend!r}")
         if self.start_method not in ("spawn", "forkserver"):
             raise ValueError(
                 f"start_method must be 'spawn' or 'forkserver', got {self.start_method!r} "
@@ -778,6 +788,10 @@ class StreamingVectorEnv:
         worker: EnvWorker
         if self.config.backend == "subprocess":
             worker = SubprocessWorker(index, factories, self.config.start_method)
+        elif self.config.backend == "ray":
+            from streamrl.envs.ray_workers import RayWorker  # Ray is an optional extra
+
+            worker = RayWorker(index, factories, self.config.ray_actor_options)
         else:
             worker = InProcessWorker(index, factories)
         if index < len(self._workers):

@@ -1,8 +1,8 @@
 """Env workers for :mod:`streamrl.envs.vector`: where sub-environments live and how commands reach them.
 
 A *worker* hosts one or more sub-envs and runs the commands sent to it one at a time, in the order they
-were submitted (FIFO); every command produces exactly one :class:`Reply`. Two backends share that
-contract:
+were submitted (FIFO); every command produces exactly one :class:`Reply`. Two backends here share that
+contract, and a third, Ray actors, lives in :mod:`streamrl.envs.ray_workers` (Ray is an optional extra):
 
 - :class:`InProcessWorker` runs each command in the caller's process the moment it is submitted
   (tests, debugging, ``pdb``). Env exceptions are caught exactly as in a subprocess, but a hung env hangs
@@ -11,7 +11,7 @@ contract:
   the caller's ``__main__`` is not re-imported) or a ``multiprocessing`` ``forkserver`` child. Never
   threads: the ALFWorld/TextWorld engine is not thread-safe, and only a process can be killed when it hangs.
 
-The worker interface (what a Ray actor backend implements to slot in, cf. tianshou's ``EnvWorker``):
+The worker interface (cf. tianshou's ``EnvWorker``):
 
 =====================================  ========================================================================
 ``submit(command)``                    queue one :class:`Command`; never blocks on the env
@@ -24,12 +24,13 @@ The worker interface (what a Ray actor backend implements to slot in, cf. tiansh
 ``kill()`` / ``close(timeout)``        force-stop (the replacement path) / graceful stop, always reaping
 =====================================  ========================================================================
 
-A Ray backend would be an actor class wrapping :class:`EnvHost` (``execute`` as its one remote method; a
-synchronous actor runs calls in submission order), ``submit`` keeping the returned object refs in a
-deque, ``fetch`` taking the finished prefix of that deque, and ``kill`` calling ``ray.kill``.
+The Ray backend (:class:`streamrl.envs.ray_workers.RayWorker`) is an actor wrapping :class:`EnvHost`
+(``execute`` as its remote method; a synchronous actor runs calls in submission order), ``submit`` keeping
+the returned object refs in a deque, ``fetch`` taking the finished prefix of that deque, and ``kill``
+calling ``ray.kill``.
 
-All env code on either side of the process boundary goes through :class:`EnvHost`, so the in-process and
-subprocess backends cannot drift apart.
+All env code on either side of the process boundary goes through :class:`EnvHost`, so the backends cannot
+drift apart.
 """
 
 from __future__ import annotations

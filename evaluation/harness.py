@@ -279,6 +279,9 @@ class ScriptedRecorder:
     def action_tokens(self, episode_id: EpisodeId) -> int:
         return 0
 
+    def lost(self, episode_id: EpisodeId) -> str | None:
+        return None  # a scripted agent has no generation to lose
+
     @property
     def active_episodes(self) -> list[EpisodeId]:
         return list(self._episodes)
