@@ -3,7 +3,7 @@
 #   make test   create .venv, install streamrl with every extra, lint, type-check and run the tests
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS_TEST := alfworld,vllm,dev,models
+EXTRAS_TEST := alfworld,vllm,ray,dev,models
 
 .PHONY: demo test install install-test lint typecheck pytest clean
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv and install streamrl with the given extras (comma separated, may be empty).
-# Usage: scripts/install.sh [extras]     e.g. scripts/install.sh alfworld,vllm,dev,models
+# Usage: scripts/install.sh [extras]     e.g. scripts/install.sh alfworld,vllm,ray,dev,models
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS="${1:-}"
