@@ -127,7 +127,11 @@ def test_a_recipe_rebuilds_bit_for_bit_in_fresh_caches(tmp_path: Path) -> None:
             "MKL_NUM_THREADS": str(threads),
         }
         run = subprocess.run(
-            [sys.executable, "-c", _REBUILD, str(threads)], env=env, capture_output=True, text=True, timeout=600
+            [sys.executable, "-c", _REBUILD, str(threads)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         assert run.returncode == 0, run.stderr[-3000:]
         out = json.loads(run.stdout.strip().splitlines()[-1])
@@ -141,9 +145,15 @@ def test_a_recipe_rebuilds_bit_for_bit_in_fresh_caches(tmp_path: Path) -> None:
     files_a.pop("streamrl_sft.json"), files_b.pop("streamrl_sft.json")  # paths and timings differ
     assert files_a == files_b
     # The report names the weights, the weights it started from, and the data.
-    assert report_a["weights_sha256"] == weights_sha256(sft_a) == {"model.safetensors": files_a["model.safetensors"]}
+    assert (
+        report_a["weights_sha256"]
+        == weights_sha256(sft_a)
+        == {"model.safetensors": files_a["model.safetensors"]}
+    )
     assert report_a["tokenizer_sha256"] == files_a["tokenizer.json"]
-    assert report_a["base_weights_sha256"] == weights_sha256(base_a) and report_a["start_weights_sha256"] is None
+    assert (
+        report_a["base_weights_sha256"] == weights_sha256(base_a) and report_a["start_weights_sha256"] is None
+    )
     assert report_a["data_sha256"] == report_b["data_sha256"]
     assert report_a["platform"]["threads"] == report_b["platform"]["threads"] == 1
 
