@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import platform
@@ -86,16 +87,16 @@ def play(
         for r in agent.records
     ]
     looped = [c for c in loops if c is not None]
+    counts = dataclasses.asdict(played)  # episodes, wins, steps, valid_steps, seconds
+    counts["seconds"] = round(counts["seconds"], 1)
     return {
         "split": split,
         "temperature": temperature,
-        "episodes": played.episodes,
         "success_rate": played.success_rate,
         "valid_action_rate": played.valid_steps / max(1, played.steps),
-        "mean_steps": played.steps / max(1, played.episodes),
         "invalid_loops": len(looped),
         "looped_commands": collections.Counter(looped).most_common(5),
-        "seconds": round(played.seconds, 1),
+        **counts,
     }
 
 
