@@ -352,6 +352,7 @@ def smollm2_gguf_path() -> Path:
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """The hex sha256 of a file's bytes (what ``sha256sum`` prints), read ``chunk`` bytes at a time."""
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         while block := fh.read(chunk):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -36,7 +37,7 @@ from streamrl.agents.base import SamplingParams
 from streamrl.agents.env_specs import env_spec, play_tasks
 from streamrl.agents.hf_backend import HFBackend
 from streamrl.agents.lora import LoRAConfig, trainable_parameters, wrap_lora
-from streamrl.agents.models import build_once, load_model, load_tokenizer, resolve_model
+from streamrl.agents.models import build_once, load_model, load_tokenizer, resolve_model, sha256_file
 from streamrl.agents.teacher_forcing import downsample_turns, expert_trajectories, sequences_of
 from streamrl.agents.trajectory import TokenSequence
 from streamrl.algorithms.losses import sft_loss
@@ -52,6 +53,15 @@ class SFTConfig:
     The defaults are generic; the presets ``SFTConfig.math_tir()`` and ``SFTConfig.alfworld()`` (by env name:
     ``SFTConfig.for_env(name)``, ``SFT_PRESETS``) are the measured recipes, one checkpoint per env
     (docs/sft.md has their measurements).
+
+    Reproducibility: a recipe and seed rebuild the same weights bit for bit (``streamrl_sft.json`` records
+    their sha256) on the same kind of CPU with the same library versions, whatever ``PYTHONHASHSEED``, the
+    process's own torch thread count or the number of ALFWorld generation workers. Two things the recipe cannot
+    fix change the floats, and through a chaotic training run the success rate (docs/sft.md, Reproducibility):
+    the torch thread count, which the build therefore pins to ``threads``; and the CPU's vector instruction
+    set, since torch (``ATEN_CPU_CAPABILITY``) and MKL (``MKL_CBWR``) pick AVX-512 or AVX2 kernels by CPU.
+    Setting ``ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2`` before Python starts makes both take their AVX2 paths
+    on any CPU that has AVX2.
     """
 
     envs: tuple[str, ...]
@@ -104,6 +114,11 @@ class SFTConfig:
     problem by chance but never a test one) and keep the weights of the best epoch; 0 keeps the last epoch.
     On ``tiny`` the epoch at which copying numbers clicks, and whether later epochs undo it, varies with the
     seed."""
+    threads: int = 1
+    """torch threads while building the checkpoint (expert data, training, model selection); the build sets
+    them and restores the caller's count after. Pinned because CPU float reductions split their work by thread
+    count: 1 and 2 threads train different weights from the same data. More threads are faster only for a
+    lone process (with a busy neighbour, two can be slower than one)."""
     init_from: str | None = None
     """An env name: start from that env's SFT checkpoint (``SFTConfig.for_env(init_from, model=model)``, its preset
     and seed, trained first if not cached) instead of the bare ``model`` -- a curriculum. ALFWorld starts from
@@ -138,6 +153,8 @@ class SFTConfig:
             raise ValueError(f"context_weight must be >= 0, got {self.context_weight}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not isinstance(self.threads, int) or self.threads < 1:
+            raise ValueError(f"threads must be an int >= 1, got {self.threads!r}")
 
     @classmethod
     def math_tir(cls, **overrides: Any) -> SFTConfig:
@@ -283,60 +300,109 @@ def sft_checkpoint(config: SFTConfig | str, log: Callable[[str], None] = print) 
     def build(out: Path) -> None:
         start = config.start()  # the checkpoint to start from is built (or found) first, under its own lock
         start_dir = None if start is None else sft_checkpoint(start, log)
-        tokenizer = load_tokenizer(base)
-        sequences: list[TokenSequence] = []
-        stats: dict[str, Any] = {}
-        for name in config.envs:
-            started = time.perf_counter()
-            spec = env_spec(name)
-            synthetic = config.synthetic_episodes if spec.synthetic_tasks is not None else 0
-            noisy = spec.random_action is not None
-            trajs = expert_trajectories(
-                name,
-                tokenizer,
-                limit=config.max_expert_episodes or None,
-                synthetic=synthetic,
-                seed=config.seed,
-                replays=config.expert_replays if noisy else 1,
-                noise=config.expert_noise if noisy else 0.0,
-            )
-            downsample_turns(trajs, config.downsample, random.Random(config.seed))
-            seqs = sequences_of(trajs)
-            stats[name] = {
-                "episodes": len(trajs),
-                "sequences": len(seqs),
-                "tokens": sum(len(s) for s in seqs),
-                "action_tokens": sum(s.num_action_tokens for s in seqs),
-                "collect_s": round(time.perf_counter() - started, 1),
-            }
-            log(f"expert data {name}: {stats[name]}")
-            sequences.extend(seqs)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(config.seed)
-            model = load_model(base if start_dir is None else start_dir)
-            started = time.perf_counter()
-            if config.lora is not None:
-                model = wrap_lora(model, config.lora)
-            validation: list[float] = []
-            validate = _validator(config, tokenizer, validation) if config.select_best_of else None
-            losses = train_sft(model, sequences, config, int(tokenizer.pad_token_id), log, validate)
-        if config.lora is not None:
-            model = model.merge_and_unload()
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
-        report = {
-            "config": asdict(config),
-            "base_model": str(base),
-            "start": None if start_dir is None else str(start_dir),
-            "data": stats,
-            "steps": len(losses),
-            "validation_by_epoch": validation,
-            "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
-            "train_s": round(time.perf_counter() - started, 1),
-        }
-        (out / "streamrl_sft.json").write_text(json.dumps(report, indent=2, sort_keys=True))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(config.threads)
+        try:
+            _build_checkpoint(out, config, base, start_dir, log)
+        finally:
+            torch.set_num_threads(threads)
 
     return build_once(target, build)
+
+
+def _build_checkpoint(
+    out: Path, config: SFTConfig, base: Path, start_dir: Path | None, log: Callable[[str], None]
+) -> None:
+    """Collect the expert data, train and save the checkpoint of ``config`` into ``out`` with its report
+    ``streamrl_sft.json`` (the sha256 of the weights, of the starting weights and of the training data, and
+    the platform facts that change the floats). The caller has set torch's thread count."""
+    tokenizer = load_tokenizer(base)
+    sequences: list[TokenSequence] = []
+    stats: dict[str, Any] = {}
+    for name in config.envs:
+        started = time.perf_counter()
+        spec = env_spec(name)
+        synthetic = config.synthetic_episodes if spec.synthetic_tasks is not None else 0
+        noisy = spec.random_action is not None
+        trajs = expert_trajectories(
+            name,
+            tokenizer,
+            limit=config.max_expert_episodes or None,
+            synthetic=synthetic,
+            seed=config.seed,
+            replays=config.expert_replays if noisy else 1,
+            noise=config.expert_noise if noisy else 0.0,
+        )
+        downsample_turns(trajs, config.downsample, random.Random(config.seed))
+        seqs = sequences_of(trajs)
+        stats[name] = {
+            "episodes": len(trajs),
+            "sequences": len(seqs),
+            "tokens": sum(len(s) for s in seqs),
+            "action_tokens": sum(s.num_action_tokens for s in seqs),
+            "collect_s": round(time.perf_counter() - started, 1),
+        }
+        log(f"expert data {name}: {stats[name]}")
+        sequences.extend(seqs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        model = load_model(base if start_dir is None else start_dir)
+        started = time.perf_counter()
+        if config.lora is not None:
+            model = wrap_lora(model, config.lora)
+        validation: list[float] = []
+        validate = _validator(config, tokenizer, validation) if config.select_best_of else None
+        losses = train_sft(model, sequences, config, int(tokenizer.pad_token_id), log, validate)
+    if config.lora is not None:
+        model = model.merge_and_unload()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    report = {
+        "config": asdict(config),
+        "base_model": str(base),
+        "start": None if start_dir is None else str(start_dir),
+        "data": stats,
+        "steps": len(losses),
+        "validation_by_epoch": validation,
+        "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
+        "train_s": round(time.perf_counter() - started, 1),
+        "weights_sha256": weights_sha256(out),
+        "tokenizer_sha256": sha256_file(out / "tokenizer.json"),
+        "base_weights_sha256": weights_sha256(base),
+        "start_weights_sha256": None if start_dir is None else weights_sha256(start_dir),
+        "data_sha256": sequences_sha256(sequences),
+        "platform": _platform(),
+    }
+    (out / "streamrl_sft.json").write_text(json.dumps(report, indent=2, sort_keys=True))
+
+
+def weights_sha256(model_dir: str | os.PathLike[str]) -> dict[str, str]:
+    """``{file name: sha256}`` of the ``*.safetensors`` files of a model directory (what ``sha256sum`` prints):
+    the identity of a checkpoint's weights, which ``streamrl_sft.json`` records."""
+    return {f.name: sha256_file(f) for f in sorted(Path(model_dir).glob("*.safetensors"))}
+
+
+def sequences_sha256(sequences: Sequence[TokenSequence]) -> str:
+    """sha256 of the training data as trained on: each sequence's token ids and action mask, in order. Two
+    builds with equal data and different weights differ in training, not in data."""
+    digest = hashlib.sha256()
+    for seq in sequences:
+        digest.update(json.dumps([list(seq.token_ids), list(seq.action_mask)]).encode())
+    return digest.hexdigest()
+
+
+def _platform() -> dict[str, Any]:
+    """What besides the recipe changes the trained floats: library versions, torch's thread count and the
+    CPU kernels torch uses, and the variables that force a kernel choice (``SFTConfig`` docstring)."""
+    import transformers
+
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "env": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "MKL_CBWR") if k in os.environ},
+    }
 
 
 def _validator(config: SFTConfig, tokenizer: Any, scores: list[float]) -> Callable[[Any], float]:

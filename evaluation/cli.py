@@ -74,16 +74,13 @@ class SFTRunOptions:
     """Evaluation sampling temperature(s); 0 is greedy."""
     eval_batch: int = 32
     """Episodes played concurrently in evaluation (one batched generation per turn)."""
-    threads: int = 1
-    """torch threads (more only for a lone process: with a busy neighbour two can be slower than one)."""
     out: Path | None = None
     """Also write the JSON report to this file."""
 
     def __post_init__(self) -> None:
-        if self.eval_episodes < 0 or self.eval_batch < 1 or self.threads < 1:
+        if self.eval_episodes < 0 or self.eval_batch < 1:
             raise ValueError(
-                "eval_episodes must be >= 0, eval_batch and threads >= 1; got "
-                f"{self.eval_episodes}, {self.eval_batch}, {self.threads}"
+                f"eval_episodes must be >= 0 and eval_batch >= 1; got {self.eval_episodes}, {self.eval_batch}"
             )
 
 
@@ -127,7 +124,6 @@ def _sft(argv: Sequence[str]) -> int:
     from streamrl.evaluation.harness import evaluate
 
     options, configs = parse_sft_args(argv)
-    torch.set_num_threads(options.threads)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     report: dict[str, Any] = {"checkpoints": []}
     for config in configs:
@@ -142,6 +138,7 @@ def _sft(argv: Sequence[str]) -> int:
         report["checkpoints"].append(entry)
         if not options.eval_episodes:
             continue
+        torch.set_num_threads(config.threads)  # the recipe's --threads (its build pins them itself)
         models = [("sft", str(path))] + (
             [("untrained", str(resolve_model(config.model)))] if options.baseline else []
         )

@@ -1,8 +1,14 @@
-"""SFT cold start: per-env presets and their chained cache keys, model selection, and it helps."""
+"""SFT cold start: per-env presets and their chained cache keys, model selection, it helps, and a recipe
+rebuilds bit for bit."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +17,7 @@ from streamrl.agents.hf_backend import HFBackend
 from streamrl.agents.models import load_tokenizer, resolve_model
 from streamrl.agents.teacher_forcing import expert_trajectories, sequences_of
 from streamrl.algorithms import sft as sft_module
-from streamrl.algorithms.sft import SFTConfig, sft_checkpoint
+from streamrl.algorithms.sft import SFTConfig, sequences_sha256, sft_checkpoint, weights_sha256
 from streamrl.evaluation.harness import evaluate
 
 
@@ -42,9 +48,9 @@ def test_per_env_recipes_chain_their_cache_keys(monkeypatch: pytest.MonkeyPatch)
 def test_preset_cache_keys_are_pinned() -> None:
     # Cached checkpoints are found by these keys (and the model they start from): a change to a preset, to a
     # field's default or to the data and training code (``_RECIPE``) must be deliberate, and update them here.
-    assert SFTConfig.math_tir().key() == "732c15efd455"
-    assert SFTConfig.alfworld().key() == "ed35fc86e5d6"
-    assert SFTConfig.math_tir(seed=1).key() == "159166c0a131"
+    assert SFTConfig.math_tir().key() == "a91e59c48657"
+    assert SFTConfig.alfworld().key() == "fc69be7203d9"
+    assert SFTConfig.math_tir(seed=1).key() == "55563da53491"
 
 
 def test_model_selection_keeps_the_best_epoch(tokenizer) -> None:  # type: ignore[no-untyped-def]
@@ -86,3 +92,76 @@ def test_sft_improves_over_untrained_model() -> None:
     assert untrained["success_rate"] == 0.0
     assert trained["valid_action_rate"] > untrained["valid_action_rate"] + 0.3
     assert trained["success_rate"] >= 0.25, trained
+
+
+# One process of the rebuild test: sets its own torch thread count (argv[1]), which the build must not depend on,
+# builds a small Math-TIR recipe (and the tiny base model) into the fresh $STREAMRL_CACHE, prints the paths.
+_REBUILD = """
+import json, sys
+import torch
+torch.set_num_threads(int(sys.argv[1]))
+from streamrl.agents.models import resolve_model
+from streamrl.algorithms.sft import SFTConfig, sft_checkpoint
+config = SFTConfig.math_tir(max_expert_episodes=16, synthetic_episodes=32, epochs=1)
+path = sft_checkpoint(config, log=lambda _: None)
+print(json.dumps({"sft": str(path), "base": str(resolve_model("tiny")), "threads": torch.get_num_threads()}))
+"""
+
+
+def _files(directory: Path) -> dict[str, str]:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(directory.iterdir())}
+
+
+@pytest.mark.slow
+def test_a_recipe_rebuilds_bit_for_bit_in_fresh_caches(tmp_path: Path) -> None:
+    # Issue 14: the same recipe and seed gave different models. Two processes, each with a fresh cache (the tiny
+    # model and its tokenizer are trained again), another PYTHONHASHSEED and another torch thread count of its
+    # own (1 and 2 threads train different weights unless the build pins them), must write the same bytes.
+    builds = []
+    for k, threads in enumerate((1, 2)):
+        env = {
+            **os.environ,
+            "STREAMRL_CACHE": str(tmp_path / f"cache{k}"),
+            "PYTHONHASHSEED": str(k + 1),
+            "OMP_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads),
+        }
+        run = subprocess.run(
+            [sys.executable, "-c", _REBUILD, str(threads)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        out = json.loads(run.stdout.strip().splitlines()[-1])
+        assert out["threads"] == threads  # the caller's thread count is restored after the build
+        builds.append((Path(out["base"]), Path(out["sft"])))
+    (base_a, sft_a), (base_b, sft_b) = builds
+    assert sft_a.name == sft_b.name  # the same cache key
+    assert _files(base_a) == _files(base_b)
+    report_a, report_b = (json.loads((d / "streamrl_sft.json").read_text()) for d in (sft_a, sft_b))
+    files_a, files_b = _files(sft_a), _files(sft_b)
+    files_a.pop("streamrl_sft.json"), files_b.pop("streamrl_sft.json")  # paths and timings differ
+    assert files_a == files_b
+    # The report names the weights, the weights it started from, and the data.
+    assert (
+        report_a["weights_sha256"]
+        == weights_sha256(sft_a)
+        == {"model.safetensors": files_a["model.safetensors"]}
+    )
+    assert report_a["tokenizer_sha256"] == files_a["tokenizer.json"]
+    assert (
+        report_a["base_weights_sha256"] == weights_sha256(base_a) and report_a["start_weights_sha256"] is None
+    )
+    assert report_a["data_sha256"] == report_b["data_sha256"]
+    assert report_a["platform"]["threads"] == report_b["platform"]["threads"] == 1
+
+
+def test_data_fingerprint_covers_tokens_and_masks(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    seqs = sequences_of(expert_trajectories("math_tir", tokenizer, limit=2))
+    digest = sequences_sha256(seqs)
+    assert digest == sequences_sha256(list(seqs)) and len(digest) == 64
+    seqs[0].action_mask[-1] = 1 - seqs[0].action_mask[-1]
+    assert sequences_sha256(seqs) != digest
+    assert sequences_sha256(seqs[::-1]) != sequences_sha256(seqs)

@@ -184,6 +184,8 @@ def test_sft_flags_lay_over_the_env_preset(capsys: pytest.CaptureFixture[str]) -
     assert configs == [SFTConfig.alfworld(init_from=None, seed=2), SFTConfig.math_tir(seed=2)]
     _, configs = parse_sft_args(["--joint", "--envs", "alfworld", "math_tir"])
     assert configs == [SFTConfig(envs=("alfworld", "math_tir"))]
+    _, configs = parse_sft_args(["--envs", "math_tir", "--threads", "2"])  # the build's threads: the recipe's
+    assert configs == [SFTConfig.math_tir(threads=2)] and configs[0].key() != SFTConfig.math_tir().key()
     with pytest.raises(SystemExit):
         parse_sft_args(["--envs", "minecraft"])
     assert "unknown env 'minecraft'; valid: ['alfworld', 'math_tir']" in capsys.readouterr().err
