@@ -207,12 +207,15 @@ class SFTConfig:
     def key(self) -> str:
         """The checkpoint's cache key: a hash of every field, the base model's directory name, the data and
         training code's version (``_RECIPE``) and, through ``init_from``, the key of the checkpoint it starts
-        from (so a changed Math-TIR preset changes ALFWorld's key too)."""
+        from (so a changed Math-TIR preset changes ALFWorld's key too). ``threads`` enters only when it is not 1."""
         model_key = resolve_model(self.model).name
         start = self.start()
+        config = asdict(self)
+        if config["threads"] == 1:  # the count every checkpoint was built with before it was a field: same keys
+            del config["threads"]
         blob = json.dumps(
             {
-                "config": asdict(self),
+                "config": config,
                 "model_dir": model_key,
                 "recipe": _RECIPE,
                 "start": start.key() if start is not None else None,
