@@ -211,7 +211,9 @@ class SFTConfig:
         model_key = resolve_model(self.model).name
         start = self.start()
         config = asdict(self)
-        if config["threads"] == 1:  # the count every checkpoint was built with before it was a field: same keys
+        if (
+            config["threads"] == 1
+        ):  # the count every checkpoint was built with before it was a field: same keys
             del config["threads"]
         blob = json.dumps(
             {
