@@ -26,6 +26,7 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -290,11 +291,38 @@ def train_sft(
     return losses
 
 
-def sft_checkpoint(config: SFTConfig | str, log: Callable[[str], None] = print) -> Path:
+SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints"
+"""Cold-start checkpoints kept in the repository, one directory per cache name (``<model>-sft-<key>``) holding
+the checkpoint's files and ``SHA256SUMS``: what its own recipe built, so a fresh machine need not pay for the
+build. ``streamrl sft --envs ENV --no-shipped`` rebuilds one (``docs/sft.md``: Shipped checkpoints)."""
+
+
+def shipped_checkpoint(name: str, root: Path | None = None) -> Path | None:
+    """The shipped copy of cache entry ``name`` under ``root`` (default ``SHIPPED``), its files checked against
+    its ``SHA256SUMS``; ``None`` if there is none. A file that does not match raises ``ValueError``."""
+    src = (SHIPPED if root is None else root) / name
+    sums = src / "SHA256SUMS"
+    if not sums.is_file():
+        return None
+    for line in sums.read_text().splitlines():
+        digest, _, file = line.partition("  ")
+        path = src / file
+        if not path.is_file() or sha256_file(path) != digest:
+            raise ValueError(
+                f"shipped checkpoint {src}: {file} does not match its sha256 in SHA256SUMS (corrupted or "
+                "changed; restore it with git, or build it with `streamrl sft --no-shipped`)"
+            )
+    return src
+
+
+def sft_checkpoint(config: SFTConfig | str, log: Callable[[str], None] = print, shipped: bool = True) -> Path:
     """The fine-tuned model directory for ``config`` (or for env name ``config``'s preset,
     ``SFTConfig.for_env``), trained and cached on first use under ``$STREAMRL_CACHE/sft/`` (atomic, locked)::
 
         HFBackend(sft_checkpoint("math_tir"))   # start Math-TIR RL from its SFT checkpoint
+
+    With ``shipped`` a checkpoint kept in the repository under the same name (``SHIPPED``) is copied into the
+    cache, after its sha256 are checked, instead of being built.
     """
     if isinstance(config, str):
         config = SFTConfig.for_env(config)
@@ -303,6 +331,13 @@ def sft_checkpoint(config: SFTConfig | str, log: Callable[[str], None] = print) 
     target.parent.mkdir(parents=True, exist_ok=True)
 
     def build(out: Path) -> None:
+        src = shipped_checkpoint(target.name) if shipped else None
+        if src is not None:
+            for f in sorted(src.iterdir()):
+                if f.name != "SHA256SUMS":
+                    shutil.copyfile(f, out / f.name)
+            log(f"SFT checkpoint {target.name}: the shipped copy ({src}, sha256 checked)")
+            return
         start = config.start()  # the checkpoint to start from is built (or found) first, under its own lock
         start_dir = None if start is None else sft_checkpoint(start, log)
         threads = torch.get_num_threads()

@@ -76,6 +76,9 @@ class SFTRunOptions:
     """Episodes played concurrently in evaluation (one batched generation per turn)."""
     out: Path | None = None
     """Also write the JSON report to this file."""
+    shipped: bool = True
+    """Use a checkpoint kept in the repository (``checkpoints/``) when one has the recipe's key, after checking
+    its sha256; ``--no-shipped`` builds it (into an empty ``STREAMRL_CACHE``: the bit-for-bit rebuild)."""
 
     def __post_init__(self) -> None:
         if self.eval_episodes < 0 or self.eval_batch < 1:
@@ -128,7 +131,7 @@ def _sft(argv: Sequence[str]) -> int:
     report: dict[str, Any] = {"checkpoints": []}
     for config in configs:
         started = time.perf_counter()
-        path = sft_checkpoint(config, log)
+        path = sft_checkpoint(config, log, shipped=options.shipped)
         entry: dict[str, Any] = {
             "checkpoint": str(path),
             "sft": json.loads((path / "streamrl_sft.json").read_text()),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -166,3 +167,50 @@ def test_data_fingerprint_covers_tokens_and_masks(tokenizer) -> None:  # type: i
     seqs[0].action_mask[-1] = 1 - seqs[0].action_mask[-1]
     assert sequences_sha256(seqs) != digest
     assert sequences_sha256(seqs[::-1]) != sequences_sha256(seqs)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Shipped checkpoints (checkpoints/ in the repository)
+
+
+def test_the_shipped_checkpoint_is_math_tirs_current_recipe_and_intact() -> None:
+    from streamrl.algorithms.sft import SHIPPED, shipped_checkpoint
+
+    name = f"{resolve_model('tiny').name}-sft-{SFTConfig.math_tir().key()}"
+    # a recipe change moves the key: the shipped copy would no longer be used, so this fails until it is rebuilt
+    assert shipped_checkpoint(name) == SHIPPED / name
+
+
+def test_a_shipped_checkpoint_is_copied_after_its_sha256_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from streamrl.algorithms import sft
+    from streamrl.algorithms.sft import SHIPPED, sft_checkpoint
+
+    real = next(SHIPPED.glob("tiny-*-sft-*"))
+    config = SFTConfig.math_tir(seed=12345)  # never built: only a shipped copy can answer without training
+    name = f"{resolve_model('tiny').name}-sft-{config.key()}"
+    shipped = tmp_path / "shipped"
+    shutil.copytree(real, shipped / name)
+    monkeypatch.setattr(sft, "SHIPPED", shipped)
+    monkeypatch.setattr(sft, "cache_root", lambda: tmp_path / "cache")
+
+    def no_build(*args: object) -> None:
+        raise AssertionError("built instead of using the shipped copy")
+
+    monkeypatch.setattr(sft, "_build_checkpoint", no_build)
+    out = sft_checkpoint(config, log=lambda _: None)
+    assert out == tmp_path / "cache" / "sft" / name
+    assert (out / "model.safetensors").read_bytes() == (real / "model.safetensors").read_bytes()
+    assert not (out / "SHA256SUMS").exists()
+    # a changed file is refused, naming it
+    tampered = SFTConfig.math_tir(seed=54321)
+    tname = f"{resolve_model('tiny').name}-sft-{tampered.key()}"
+    shutil.copytree(real, shipped / tname)
+    with (shipped / tname / "tokenizer.json").open("a") as f:
+        f.write(" ")
+    with pytest.raises(ValueError, match=r"tokenizer.json does not match its sha256"):
+        sft_checkpoint(tampered, log=lambda _: None)
+    monkeypatch.setattr(sft, "cache_root", lambda: tmp_path / "empty-cache")
+    with pytest.raises(AssertionError, match="built instead"):  # --no-shipped builds
+        sft_checkpoint(config, log=lambda _: None, shipped=False)
