@@ -212,10 +212,8 @@ class SFTConfig:
         model_key = resolve_model(self.model).name
         start = self.start()
         config = asdict(self)
-        if (
-            config["threads"] == 1
-        ):  # the count every checkpoint was built with before it was a field: same keys
-            del config["threads"]
+        if config["threads"] == 1:
+            del config["threads"]  # checkpoints built before the field (all on 1 thread) keep their keys
         blob = json.dumps(
             {
                 "config": config,
