@@ -33,6 +33,7 @@ from typing import Any
 
 import ray
 from bench_vector import SETUPS, measure, run_streaming
+from streamrl.envs.ray_workers import local_ray_options
 
 BACKENDS = {"process": "subprocess", "ray": "ray"}
 
@@ -51,7 +52,7 @@ def main() -> None:
         parser.error(f"--sizes must be >= 1, got {args.sizes}")
 
     started = time.perf_counter()
-    ray.init(num_cpus=max(args.sizes), include_dashboard=False, logging_level="ERROR")
+    ray.init(num_cpus=max(args.sizes), include_dashboard=False, logging_level="ERROR", **local_ray_options())
     ray_start_s = time.perf_counter() - started
     factory, make_policy = SETUPS[args.env]()
     print(f"{args.env}: {factory.name}; local Ray instance up in {ray_start_s:.1f} s")

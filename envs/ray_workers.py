@@ -79,8 +79,23 @@ def connect(address: str | None = None) -> bool:
     ray = require_ray()
     if ray.is_initialized():
         return False
-    ray.init(address=address, include_dashboard=False, logging_level="WARNING")
+    ray.init(address=address, include_dashboard=False, logging_level="WARNING", **local_ray_options(address))
     return True
+
+
+WORKER_NICENESS = 0
+"""The niceness of the Ray workers (actors) of a Ray instance streamrl starts. Ray's default, 15, gives an actor
+a few percent of a core next to a busy process at the default 0 -- the trainer, on the same node -- and an
+ALFWorld env actor then steps ~30x slower than a worker process (``benchmarks/bench_ray_envs.py``). For a
+cluster started with ``ray start``, set ``RAY_worker_niceness=0`` in its environment (README, Scaling out)."""
+
+
+def local_ray_options(address: str | None = None) -> dict[str, Any]:
+    """``ray.init`` options for a Ray instance this process starts (``address`` and ``RAY_ADDRESS`` unset):
+    workers at ``WORKER_NICENESS``. Empty when joining an existing cluster, whose settings are its own."""
+    if address is not None or os.environ.get("RAY_ADDRESS"):
+        return {}
+    return {"_system_config": {"worker_niceness": WORKER_NICENESS}}
 
 
 def node_address() -> str:

@@ -38,6 +38,7 @@ from streamrl.agents.ray_engines import RayEngines
 from streamrl.agents.vllm_backend import AdapterMismatchError, read_adapter_probe, write_adapter_probe
 from streamrl.algorithms.runtime import Finished
 from streamrl.algorithms.train import ConfigError, TrainConfig, Trainer
+from streamrl.envs.ray_workers import local_ray_options
 from streamrl.envs.vector import StreamingVectorEnv, SubEnvState, VectorEnvConfig
 from test_train import (  # noqa: F401 - math_tasks and primed are fixtures
     QUIET,
@@ -58,7 +59,7 @@ SMALL = {"num_cpus": 0.25}
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", **local_ray_options())
     yield
     ray.shutdown()
 
@@ -123,12 +124,20 @@ def test_ray_kill_of_an_env_actor_ends_its_episodes_once(tmp_path: Path) -> None
 
 def _threads(actor: Any) -> tuple[str | None, int]:
     """An actor's OMP_NUM_THREADS and torch's thread count, asked inside it with ``__ray_call__`` (a local
-    function travels by value: actors cannot import this test module)."""
+    function travels by value: actors cannot import this test module). Asserts it runs at the trainer's
+    priority: Ray's default niceness 15 starves actors next to a busy trainer (``WORKER_NICENESS``)."""
 
-    def ask(_: Any) -> tuple[str | None, int]:
-        return os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
+    def ask(_: Any) -> tuple[str | None, int, int]:
+        return os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads(), os.nice(0)
 
-    return ray.get(actor.__ray_call__.remote(ask))
+    omp, threads, niceness = ray.get(actor.__ray_call__.remote(ask))
+    assert niceness == os.nice(0)
+    return omp, threads
+
+
+def test_a_ray_instance_streamrl_starts_runs_workers_at_normal_priority() -> None:
+    assert local_ray_options(None) == {"_system_config": {"worker_niceness": 0}}
+    assert local_ray_options("auto") == {}  # an existing cluster's settings are its own (README: Scaling out)
 
 
 # ---------------------------------------------------------------------------------------------------------
