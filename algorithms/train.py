@@ -979,6 +979,15 @@ class Trainer:
         )
 
     # -- offline values and evaluation ------------------------------------------------------------------------
+    def _collect(self, side: Rollouts, jobs: Sequence[Job], desc: str) -> list[Finished]:
+        """``collect`` with a progress bar of its episodes (under the run's bar) when the run shows progress."""
+        if not self.show_progress:
+            return collect(side, jobs)
+        from tqdm.auto import tqdm
+
+        with tqdm(total=len(jobs), desc=desc, unit="episode", position=1, leave=False) as bar:
+            return collect(side, jobs, progress=lambda _: bar.update(1))
+
     def _side_rollouts(self, split: str, temperature: float, seed: int) -> Rollouts:
         """Rollouts on ``split`` with the current policy, apart from training (offline values, evaluation)."""
         from streamrl.envs.vector import StreamingVectorEnv
@@ -1013,7 +1022,7 @@ class Trainer:
             side = self._side_rollouts(self.spec.train_split, self.config.temperature, derive_seed("offline"))
             try:
                 jobs = [Job(t, i * n0 + k) for i, t in enumerate(self.task_ids) for k in range(n0)]
-                done = collect(side, jobs)
+                done = self._collect(side, jobs, "offline values")
             finally:
                 side.venv.close()
             outcomes = {t: [] for t in self.task_ids}
@@ -1053,7 +1062,7 @@ class Trainer:
         )
         try:
             jobs = [Job(t, i) for i, t in enumerate(self.eval_tasks)]
-            done = collect(side, jobs)
+            done = self._collect(side, jobs, f"held-out eval (update {self.updates})")
         finally:
             side.venv.close()
         records = [
