@@ -611,11 +611,14 @@ class Trainer:
         previous_handlers = self._install_signals()
         writer = self._tensorboard()
         bar = self._progress_bar()
+        last_eval = "-"  # the bar shows the latest held-out success
         try:
             if not self._resumed:
                 self._offline_init()
                 if self.eval_tasks:
-                    self._write_metrics({"update": 0, **self._evaluate()}, writer)
+                    first = self._evaluate()
+                    self._write_metrics({"update": 0, **first}, writer)
+                    last_eval = f"{first['eval/success']:.3f} (update 0)"
             pool = ThreadPoolExecutor(1) if self.overlap else None
             while self.updates < c.updates and not self._stop.is_set():
                 batch = self._next_batch()
@@ -629,12 +632,11 @@ class Trainer:
                 ):
                     row.update(self._evaluate())
                 self._write_metrics(row, writer)
+                if "eval/success" in row:
+                    last_eval = f"{row['eval/success']:.3f} (update {self.updates})"
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(
-                        success=f"{row['batch/success']:.2f}",
-                        eval=f"{row.get('eval/success', float('nan')):.2f}",
-                    )
+                    bar.set_postfix(batch_success=f"{row['batch/success']:.2f}", held_out=last_eval)
                 if c.checkpoint_every and self.updates % c.checkpoint_every == 0:
                     self._save_checkpoint()
             self._save_checkpoint()
