@@ -14,12 +14,12 @@ The same from the command line is ``streamrl train --algo ALGO ...`` with the sa
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from streamrl.algorithms.train import TrainConfig, train
+from streamrl.evaluation.curves import read_metrics
 
 SHORT: dict[str, Any] = {"updates": 20, "batch": 64, "num_envs": 32, "eval_every": 10, "eval_episodes": 200}
 TINY: dict[str, Any] = {"updates": 2, "batch": 4, "num_envs": 4, "tasks": 8, "offline_rollouts": 1}
@@ -41,8 +41,7 @@ TINY_ENV: dict[str, dict[str, Any]] = {"alfworld": {"env_kwargs": {"max_steps": 
 
 def held_out(run_dir: Path) -> tuple[float, float, float, float]:
     """(success before, success after, paired difference, its 95 % half-width) from the run's evaluations."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in rows if "eval/success" in r]
+    evals = [r for r in read_metrics(run_dir) if "eval/success" in r]
     last = evals[-1]
     return evals[0]["eval/success"], last["eval/success"], last["eval/delta"], last["eval/delta_ci95"]
 
