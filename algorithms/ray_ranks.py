@@ -22,12 +22,13 @@
   must match: NCCL needs every rank on a GPU, so a CUDA rank 0 needs ``num_gpus=1`` and a CPU rank 0
   ``num_gpus=0`` (a ``ValueError`` says which).
 - **Failures.** An actor that dies (killed, crashed, its node lost) fails the call rank 0 waits on with
-  ``RuntimeError("learner rank r ... died: ...")``, and rank 0's collectives with it fail rather than wait:
-  the update raises. A rank is never restarted or dropped behind the run's back: its replica and the process
+  ``RuntimeError("learner rank r ... died: ...")``. Rank 0's collectives with a dead process fail at once
+  (its connections close), with a node that dropped off the network at the group's timeout: the update raises. A rank is never restarted or dropped behind the run's back: its replica and the process
   group die with it, so the run stops and ``--resume`` continues from the last checkpoint with a fresh group.
 
 A rank's process runs ``LearnerSpec.threads`` torch threads. It reads the model at ``LearnerSpec.model_dir``
-on its own node: on a cluster, put models (and ``$STREAMRL_CACHE``) on storage every node mounts.
+(and an algorithm given as ``file.py:Class``) on its own node: on a cluster, put models (and
+``$STREAMRL_CACHE``) on storage every node mounts.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import threading
 import traceback
 import warnings
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -149,7 +151,7 @@ class RayRank:
     """A learner rank in a Ray actor (``RankActor``), reached through Ray calls (a ``RankHandle``). Started
     by ``RayRanks``, which placed it."""
 
-    def __init__(self, rank: int, actor: Any, calls: list[Any], on_close: Any) -> None:
+    def __init__(self, rank: int, actor: Any, calls: list[Any], on_close: Callable[[RayRank], None]) -> None:
         self._ray = require_ray()
         self.rank = rank
         self.actor = actor
