@@ -276,10 +276,10 @@ def serve_rank(
         worker.close()
 
 
-def free_port() -> int:
-    """A TCP port free on this machine now (for rank 0's ``tcp://127.0.0.1:PORT``)."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on this machine's address ``host`` now (for rank 0's ``tcp://HOST:PORT``)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 

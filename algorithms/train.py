@@ -65,6 +65,8 @@ PLACEMENT = (
     "rollout_engines",
     "engine_cpus",
     "engine_gpus",
+    "learner_cpus",
+    "learner_gpus",
 )
 """TrainConfig fields that say where the work runs, not what is trained: a run may resume elsewhere."""
 
@@ -123,8 +125,9 @@ class TrainConfig:
     """Vector env workers: ``"subprocess"`` (default) or ``"inprocess"`` (debugging); with ``cluster="ray"``
     they are Ray actors."""
     cluster: Cluster = "local"
-    """Where env workers and rollout engines run: ``"local"`` (this process and its subprocesses) or ``"ray"``
-    (Ray actors on the cluster at ``address``: README "Scaling out"). The learner runs in this process."""
+    """Where env workers, rollout engines and learner ranks 1..R-1 run: ``"local"`` (this process and its
+    subprocesses) or ``"ray"`` (Ray actors on the cluster at ``address``: README "Scaling out"). The runtime and
+    learner rank 0 run in this process."""
     address: str | None = None
     """``cluster="ray"``: the Ray cluster to join (``ray start --head`` prints it; ``"auto"``: the cluster this
     node belongs to); ``None``: start a local Ray instance (or join the one ``RAY_ADDRESS`` names)."""
@@ -143,10 +146,16 @@ class TrainConfig:
     threads: int = 1
     """torch threads of the trainer process (and of each other learner rank's)."""
     learner_ranks: int = 1
-    """Data-parallel learner ranks on this machine (``streamrl.algorithms.distributed``): the trainer's process is
-    rank 0, the others are processes it starts (one GPU each on CUDA, NCCL; gloo on CPU). Each trains a shard of
-    every update batch with the batch's global loss counts, so the update is the single-rank one. At most
-    ``batch``; a resumed run may change it."""
+    """Data-parallel learner ranks (``streamrl.algorithms.distributed``): the trainer's process is rank 0; the
+    others are processes it starts on this machine (one GPU each on CUDA, NCCL; gloo on CPU), or with
+    ``cluster="ray"`` Ray actors on any node (``learner_cpus``, ``learner_gpus``; ``streamrl.algorithms.ray_ranks``).
+    Each trains a shard of every update batch with the batch's global loss counts, so the update is the
+    single-rank one. At most ``batch``; a resumed run may change it."""
+    learner_cpus: float = 1.0
+    """``cluster="ray"``: CPUs Ray reserves for each learner rank 1..R-1 (its torch threads are ``threads``)."""
+    learner_gpus: int = 0
+    """``cluster="ray"``: GPUs Ray gives each learner rank 1..R-1: 0 (CPU ranks, gloo) or 1 (NCCL; rank 0, this
+    process, must then run the learner on a GPU of its own, which Ray does not place)."""
     seed: int = 0
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     algorithm: Mapping[str, Any] = field(default_factory=dict)
@@ -425,6 +434,18 @@ class Trainer:
         for name in ("env_actor_cpus", "engine_cpus", "engine_gpus"):
             if not getattr(c, name) >= 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(c, name)}")
+        if not c.learner_cpus > 0:
+            raise ConfigError(f"learner_cpus must be > 0 (a learner rank computes), got {c.learner_cpus}")
+        if c.learner_gpus not in (0, 1):
+            raise ConfigError(
+                f"learner_gpus must be 0 (CPU ranks) or 1 (a GPU per rank: a rank computes on one), "
+                f"got {c.learner_gpus}"
+            )
+        if c.learner_ranks == 1 and (c.learner_cpus, c.learner_gpus) != (defaults["learner_cpus"], 0):
+            raise ConfigError(
+                f"learner_cpus={c.learner_cpus!r}, learner_gpus={c.learner_gpus!r} are the resources of learner "
+                "ranks 1..R-1 (Ray actors); this run has learner_ranks=1 (its learner is this process)"
+            )
         from streamrl.envs.ray_workers import require_ray
 
         try:
@@ -445,6 +466,11 @@ class Trainer:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(c.seed, "learner"))
             policy = load_model(self.model_dir)
+        self._ray_connected = False
+        if c.cluster == "ray":  # before the learner: its ranks may be Ray actors
+            from streamrl.envs.ray_workers import connect
+
+            self._ray_connected = connect(c.address)  # and so this trainer disconnects at close()
         total_steps = c.updates * c.learner.mini_batches * c.learner.epochs
         if c.learner_ranks > 1:
             from streamrl.algorithms.distributed import DistributedLearner, LearnerSpec
@@ -458,7 +484,18 @@ class Trainer:
                 algorithm=c.algo,
                 threads=c.threads,
             )
-            self.learner = DistributedLearner(policy, spec, c.learner_ranks)
+            if c.cluster == "ray":
+                from streamrl.algorithms.ray_ranks import RayRanks
+
+                ranks = RayRanks(num_cpus=c.learner_cpus, num_gpus=c.learner_gpus)
+                try:
+                    self.learner = DistributedLearner(
+                        policy, spec, c.learner_ranks, init_method=ranks.init_method(), start_rank=ranks
+                    )
+                except ValueError as exc:  # the ranks' devices do not fit rank 0's
+                    raise ConfigError(str(exc)) from exc
+            else:
+                self.learner = DistributedLearner(policy, spec, c.learner_ranks)
         else:
             self.learner = Learner(
                 policy,
@@ -480,11 +517,6 @@ class Trainer:
             self.algorithm.setup(context)
         except ValueError as exc:  # e.g. SAO's critic_init does not fit the starting model
             raise ConfigError(f"{self.algorithm.name}: {exc}") from exc
-        self._ray_connected = False
-        if c.cluster == "ray":
-            from streamrl.envs.ray_workers import connect
-
-            self._ray_connected = connect(c.address)  # and so this trainer disconnects at close()
         self.backend = self._given_backend if self._given_backend is not None else self._make_backend()
         max_new = c.max_new_tokens or self.spec.max_new_tokens
         self.sampling = SamplingParams(

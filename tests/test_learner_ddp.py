@@ -79,14 +79,15 @@ def record_steps(learner: Learner) -> list[list[torch.Tensor]]:
 
 
 def train_both(
-    spec: LearnerSpec, episodes: list[Episode], advantages: list[float], algorithm: Algorithm
+    spec: LearnerSpec, episodes: list[Episode], advantages: list[float], algorithm: Algorithm, **launch: Any
 ) -> tuple[dict[str, Any], dict[str, Any], DistributedLearner]:
-    """The update of one rank and of two ranks (left running: the caller closes it) on the same batch."""
+    """The update of one rank and of two ranks (left running: the caller closes it) on the same batch;
+    ``launch``: how ``DistributedLearner`` starts rank 1 (``start_rank``, ``init_method``)."""
     runs = []
     single = Learner(
         load_model(spec.model_dir), spec.config, pad_token_id=spec.pad_token_id, total_steps=spec.total_steps
     )
-    two = DistributedLearner(load_model(spec.model_dir), spec, 2)
+    two = DistributedLearner(load_model(spec.model_dir), spec, 2, **launch)
     try:
         for learner in (single, two):
             grads = record_steps(learner)

@@ -14,6 +14,10 @@ model, whose rewards vary, Math-TIR, 16 new tokens a turn, 4 episodes an update)
 - killing an env actor and a rollout engine mid-run loses no episode: both failures come back marked
   (``error_kind`` ``crash`` and ``engine``), the ledger closes in every row, every dispatched ticket is
   trained, failed, buffered or in flight exactly once, and the replacement engine serves the current policy;
+- a learner rank in a Ray actor (``RayRanks``) makes the single-rank update on the same batch, as a rank in a
+  spawned process does (``test_learner_ddp.py``); a trainer run with ``learner_ranks=2`` on Ray trains, and
+  killing its rank actor stops the run with the rank's death (never a hang, never a silently dropped rank),
+  after which ``resume`` continues from the last checkpoint with a new rank;
 - bad placement config fails before any work with a message naming the value.
 """
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import replace
@@ -36,10 +41,15 @@ from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
 from streamrl.agents.models import resolve_model
 from streamrl.agents.ray_engines import RayEngines
 from streamrl.agents.vllm_backend import AdapterMismatchError, read_adapter_probe, write_adapter_probe
+from streamrl.algorithms.base import Episode, make_algorithm
+from streamrl.algorithms.distributed import DistributedLearner
+from streamrl.algorithms.learner import LearnerConfig
+from streamrl.algorithms.ray_ranks import RayRank, RayRanks
 from streamrl.algorithms.runtime import Finished
 from streamrl.algorithms.train import ConfigError, TrainConfig, Trainer
-from streamrl.envs.ray_workers import local_ray_options
+from streamrl.envs.ray_workers import local_ray_options, node_address
 from streamrl.envs.vector import StreamingVectorEnv, SubEnvState, VectorEnvConfig
+from test_learner_ddp import assert_same_update, episodes, spec_for, train_both  # noqa: F401 - a fixture
 from test_train import (  # noqa: F401 - math_tasks and primed are fixtures
     QUIET,
     assert_ledger_closes,
@@ -296,6 +306,106 @@ def test_killing_an_env_actor_and_a_rollout_engine_mid_run_loses_no_episode(
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Learner ranks as Ray actors
+# ---------------------------------------------------------------------------------------------------------
+
+
+def kill_and_wait(actor: Any) -> None:
+    """``ray.kill`` an actor and wait until Ray reports it dead (``ray.kill`` returns before)."""
+    ray.kill(actor)
+    with pytest.raises(ray.exceptions.RayActorError):
+        for _ in range(600):
+            ray.get(actor.ping.remote(), timeout=30)
+            time.sleep(0.1)
+
+
+def placement_groups() -> list[str]:
+    """The states of the cluster's placement groups."""
+    return [group["state"] for group in ray.util.placement_group_table().values()]
+
+
+def test_a_learner_rank_in_a_ray_actor_makes_the_single_rank_update(episodes: list[Episode]) -> None:  # noqa: F811
+    """Rank 1 in a Ray actor, the rendezvous at this node's Ray address: the gradients, weights and metrics
+    of the single-rank update (``test_learner_ddp.assert_same_update``), equal replicas, and a rank killed
+    between updates fails the next update with its death."""
+    algorithm = make_algorithm("spo++")
+    advantages = [float(a) for a in algorithm.advantages(episodes)]
+    ranks = RayRanks(num_cpus=0.5)
+    init_method = ranks.init_method()
+    assert init_method.startswith(f"tcp://{node_address()}:")  # reachable from other nodes, not 127.0.0.1
+    one, two, learner = train_both(
+        spec_for("spo++"), episodes, advantages, algorithm, start_rank=ranks, init_method=init_method
+    )
+    try:
+        assert_same_update(one, two)
+        (handle,) = learner._ranks
+        assert isinstance(handle, RayRank) and handle.info["node"] == node_address()
+        assert handle.info["pid"] != os.getpid() and handle.info["niceness"] == os.nice(0)
+        digests = learner.digests()
+        assert digests[0] == digests[1]
+        assert ranks.placement_group is not None and "CREATED" in placement_groups()
+        kill_and_wait(handle.actor)
+        with pytest.raises(RuntimeError, match=r"learner rank 1 \(Ray actor, node .*\) died: .*ray\.kill"):
+            learner.update(episodes, advantages, algorithm)
+    finally:
+        learner.close()
+    assert ranks.placement_group is None and "CREATED" not in placement_groups()  # the reservation is freed
+
+
+def test_learner_ranks_the_cluster_cannot_hold_do_not_start(tmp_path: Path) -> None:
+    """All ranks are placed up front, or the start fails with what was asked (nothing is left reserved)."""
+    from streamrl.agents.models import load_model
+
+    spec = spec_for("spo++")
+    with pytest.raises(RuntimeError, match=r"could not place 2 learner rank\(s\) of \{'CPU': 1\.5\}"):
+        ranks = RayRanks(num_cpus=1.5, start_timeout_s=2.0)  # two ranks of 1.5 CPUs: the cluster has 2
+        DistributedLearner(
+            load_model(spec.model_dir), spec, 3, init_method=ranks.init_method(), start_rank=ranks
+        )
+    assert "CREATED" not in placement_groups() and "PENDING" not in placement_groups()
+    with pytest.raises(ValueError, match=r"num_gpus must be 0 \(CPU ranks\) or 1 .*, got 2"):
+        RayRanks(num_gpus=2)
+
+
+def test_killing_a_learner_rank_actor_stops_the_run_and_resume_continues(tmp_path: Path) -> None:
+    """``learner_ranks=2`` on Ray, a checkpoint after every update: the rank's actor is killed before update
+    2; the run stops with the rank's death (its ledger closed up to update 1), and resuming it trains updates 2
+    and 3 with a new rank actor."""
+    config = ray_config(
+        run_config(tmp_path / "local", model="tiny", updates=3, checkpoint_every=1),
+        tmp_path / "ray",
+        rollout_engines=1,
+        learner_ranks=2,
+        learner_cpus=0.5,
+    )
+    run = start(config)
+    trainer = run.trainer
+    assert isinstance(trainer.learner, DistributedLearner)
+    (handle,) = trainer.learner._ranks
+    assert isinstance(handle, RayRank)
+    killed = handle.actor
+
+    def kill_before_second_update(version: int, batch: Any) -> None:
+        if trainer.updates == 1:
+            kill_and_wait(killed)
+
+    trainer.on_update = kill_before_second_update
+    with pytest.raises(RuntimeError, match=r"learner rank 1 \(Ray actor.*died"):
+        trainer.run()
+    assert [r["update"] for r in run.rows] == [1]
+    assert_ledger_closes(run.rows)
+
+    resumed = start(config, resume=True)
+    assert resumed.trainer.updates == 1
+    (fresh,) = resumed.trainer.learner._ranks  # type: ignore[attr-defined]
+    assert isinstance(fresh, RayRank) and fresh.actor != killed
+    resumed.trainer.run()
+    assert [r["update"] for r in resumed.rows] == [1, 2, 3]
+    assert_ledger_closes(resumed.rows)
+    assert "CREATED" not in placement_groups()
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Placement config: bad values fail before any work
 # ---------------------------------------------------------------------------------------------------------
 
@@ -322,6 +432,31 @@ BAD = [
     pytest.param(
         {"cluster": "ray", "engine_gpus": -1.0}, "engine_gpus must be >= 0, got -1.0", id="negative-gpus"
     ),
+    pytest.param(
+        {"learner_ranks": 2, "learner_cpus": 2.0},
+        "learner_cpus=2.0 apply to cluster='ray' only",
+        id="learner-cpus-on-local",
+    ),
+    pytest.param(
+        {"cluster": "ray", "learner_ranks": 2, "learner_gpus": 2},
+        r"learner_gpus must be 0 \(CPU ranks\) or 1 .*got 2",
+        id="two-gpus-per-rank",
+    ),
+    pytest.param(
+        {"cluster": "ray", "learner_ranks": 2, "learner_cpus": 0.0},
+        "learner_cpus must be > 0",
+        id="rank-without-cpus",
+    ),
+    pytest.param(
+        {"cluster": "ray", "learner_gpus": 1},
+        r"learner_gpus=1 are the resources of learner ranks 1..R-1 .*learner_ranks=1",
+        id="rank-resources-without-ranks",
+    ),
+    pytest.param(
+        {"cluster": "ray", "learner_ranks": 2, "learner_gpus": 1, "learner": LearnerConfig(device="cpu")},
+        r"learner_gpus\) gives each learner rank a GPU, but rank 0 \(this process\) runs on the CPU",
+        id="gpu-ranks-cpu-rank-0",
+    ),
 ]
 
 
@@ -338,8 +473,9 @@ def test_placement_flags_come_from_the_config(tmp_path: Path, capsys: pytest.Cap
     from streamrl.evaluation.cli import main, parse_train_args
 
     flags = ["--out", str(tmp_path / "run"), "--cluster", "ray", "--address", "10.0.0.1:6379"]
+    ranks = ["--learner-ranks", "2", "--learner-cpus", "8", "--learner-gpus", "1"]
     _, config = parse_train_args(
-        [*flags, "--rollout-engines", "6", "--env-actors", "4", "--engine-gpus", "1"]
+        [*flags, "--rollout-engines", "6", "--env-actors", "4", "--engine-gpus", "1", *ranks]
     )
     assert (
         config.cluster,
@@ -347,13 +483,10 @@ def test_placement_flags_come_from_the_config(tmp_path: Path, capsys: pytest.Cap
         config.rollout_engines,
         config.env_actors,
         config.engine_gpus,
-    ) == (
-        "ray",
-        "10.0.0.1:6379",
-        6,
-        4,
-        1.0,
-    )
+        config.learner_ranks,
+        config.learner_cpus,
+        config.learner_gpus,
+    ) == ("ray", "10.0.0.1:6379", 6, 4, 1.0, 2, 8.0, 1)
     with pytest.raises(SystemExit):
         main(["train", "--out", str(tmp_path / "run"), "--cluster", "slurm"])
     assert "invalid choice: 'slurm'" in capsys.readouterr().err
