@@ -59,6 +59,13 @@ BUCKET_ELEMENTS = 1 << 24
 """Gradient elements per all-reduce (64 MiB of fp32): one flat copy of a bucket at a time, not of the model."""
 
 
+def uses_cuda(device: str) -> bool:
+    """Whether a learner on ``device`` (``LearnerConfig.device``: ``"auto"``, ``"cpu"``, ``"cuda[:N]"``) runs on
+    CUDA. Its ranks' backend follows it (NCCL on CUDA, gloo on the CPU), not whether the machine has a GPU: a CPU
+    learner on a GPU machine needs gloo, which NCCL's CUDA-only collectives cannot replace."""
+    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+
+
 class RankGroup:
     """This process's place among ``world_size`` learner ranks: torch.distributed's default process group."""
 
@@ -206,6 +213,8 @@ class LearnerRank:
         model = load_model(spec.model_dir)
         if before_join is not None:
             before_join()
+        if backend == "auto":
+            backend = "nccl" if uses_cuda(config.device) else "gloo"
         self.group = RankGroup(rank, world_size, init_method, backend=backend, timeout=timeout)
         self.learner = Learner(
             model,
@@ -410,9 +419,7 @@ class DistributedLearner(Learner):
             raise ValueError(f"learner ranks must be >= 1, got {ranks}")
         self._algorithm_class = algorithm_class(spec.algorithm)
         init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
-        cuda = spec.config.device.startswith("cuda") or (
-            spec.config.device == "auto" and torch.cuda.is_available()
-        )
+        cuda = uses_cuda(spec.config.device)
         if cuda and start_rank is ProcessRank and torch.cuda.device_count() < ranks:
             raise ValueError(f"{ranks} learner ranks need {ranks} GPUs, {torch.cuda.device_count()} visible")
         self._ranks: list[RankHandle] = []
@@ -425,7 +432,7 @@ class DistributedLearner(Learner):
             self._expect("loaded")
             config = replace(spec.config, device="cuda:0") if cuda else spec.config
             try:
-                group = RankGroup(0, ranks, init_method, timeout=timeout)
+                group = RankGroup(0, ranks, init_method, backend="nccl" if cuda else "gloo", timeout=timeout)
                 super().__init__(
                     model,
                     config,

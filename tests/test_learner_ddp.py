@@ -21,7 +21,13 @@ import torch
 from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
 from streamrl.agents.models import load_model, load_tokenizer, resolve_model
 from streamrl.algorithms.base import Algorithm, Episode, make_algorithm
-from streamrl.algorithms.distributed import DistributedLearner, LearnerSpec, parameter_digest
+from streamrl.algorithms.distributed import (
+    DistributedLearner,
+    LearnerRank,
+    LearnerSpec,
+    free_port,
+    parameter_digest,
+)
 from streamrl.algorithms.learner import Learner, LearnerConfig, shard_batch
 from streamrl.algorithms.runtime import Job, Rollouts, collect
 from streamrl.algorithms.tracker import Ticket
@@ -273,3 +279,19 @@ def test_bad_input_is_refused_with_the_valid_range(episodes: list[Episode], tmp_
         Trainer(TrainConfig(**base, learner_ranks=0), progress=False)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="learner_ranks=5 is more than the batch \\(4 trajectories\\)"):
         Trainer(TrainConfig(**base, learner_ranks=5), progress=False)  # type: ignore[arg-type]
+
+
+def test_a_cpu_learner_on_a_machine_with_a_gpu_joins_over_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks' backend follows the learner's device, not the machine: NCCL cannot carry a CPU learner."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    spec = spec_for("spo++")  # device="cpu"
+    learner = DistributedLearner(load_model(resolve_model("tiny")), spec, 1)
+    try:
+        assert learner.group is not None and learner.group.backend == "gloo"
+    finally:
+        learner.close()
+    rank = LearnerRank(0, 1, f"tcp://127.0.0.1:{free_port()}", spec)
+    try:
+        assert rank.group.backend == "gloo"
+    finally:
+        rank.close()
