@@ -111,7 +111,10 @@ def run_demo(config: DemoConfig, log: Callable[[str], None] = print) -> dict[str
         f"{config.batch}, held-out evaluation of {config.eval_episodes} episodes every {config.eval_every} "
         f"updates -> {config.out}" + (" (resuming)" if resume else "")
     )
-    train(train_config, resume=resume, progress=config.progress)
+    run = train(train_config, resume=resume, progress=config.progress)
+    if run["interrupted"]:  # Ctrl-C: the run checkpointed; a report of half a run would compare nothing
+        log(f"interrupted at update {run['updates']}; `streamrl demo` again resumes it and writes the report")
+        return {"interrupted": True, "updates": run["updates"], "run_dir": str(config.out)}
     summary = write_report(config.out)
     summary["wall_s"] = round(time.perf_counter() - started, 1)
     (config.out / "demo.json").write_text(json.dumps(summary, indent=2))

@@ -57,7 +57,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             config = replace(
                 base, updates=10, eval_every=1, algorithm={**base.algorithm, "normalization": norm}
             )
-            train(config, resume=(Path(config.out) / "config.json").is_file())
+            run = train(config, resume=(Path(config.out) / "config.json").is_file())
+            if run["interrupted"]:  # Ctrl-C / SIGTERM: the run checkpointed; the same command resumes it
+                print(
+                    f"interrupted in {config.out} at update {run['updates']}; run the same command to resume"
+                )
+                return {"interrupted": config.out}
             runs[norm].append(Path(config.out))
     column = HELD_OUT if a.curve == "held-out" else BATCH
     curves = {n: [first_ten(load_curve(r, column)) for r in runs[n]] for n in NORMALIZATIONS}

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,9 +42,28 @@ def test_swap_algorithms_runs_each_algorithm_with_one_argument(algo: str, tmp_pa
 
 
 def test_reproduce_table1_pairs_spo_pp_with_spo_and_reports(tmp_path: Path) -> None:
-    printed = run_example(
-        "reproduce_table1.py", "--scale", "tiny", "--envs", "math_tir", "--seeds", "0", "1", cwd=tmp_path
+    args = ("reproduce_table1.py", "--scale", "tiny", "--envs", "math_tir", "--seeds", "0", "1")
+    # Ctrl-C stops the whole script (the interrupted run checkpoints; no later run starts), and the same command
+    # resumes it: it used to move on to the next run and build the table from half a run.
+    first = tmp_path / "runs/table1/math_tir/spo++-seed0/metrics.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, str(EXAMPLES / args[0]), *args[1:]],
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
+    deadline = time.monotonic() + 600
+    while not first.is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)  # the first run's update-0 evaluation is written: its signal handlers are in place
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "interrupted in" in stdout and "run the same command to resume" in stdout
+    assert not (tmp_path / "runs/table1/table1.json").exists()
+    assert not (tmp_path / "runs/table1/math_tir/spo++-seed1").exists()
+    printed = run_example(*args, cwd=tmp_path)
     result = json.loads((tmp_path / "runs/table1/table1.json").read_text())
     row = result["table"]["math_tir"]
     assert row["area_metric"] == "auc_mean" and row["delta_area"]["n"] == 2
