@@ -6,6 +6,8 @@ model, whose rewards vary, Math-TIR, 16 new tokens a turn, 4 episodes an update)
 
 - the Ray env backend keeps the vector env's contract: every episode comes back exactly once through crashes
   (SIGKILL), ``ray.kill``, hangs past ``step_timeout`` and env exceptions;
+- a rollout engine's vLLM backend (CPU) in a Ray actor serves the published adapter: the probe check passes and
+  its greedy tokens are the adapted model's;
 - a synchronous run (``max_staleness=0``) with Ray env actors and two rollout engines trains what the local
   run trains: the same tickets in the same updates, the same sampled tokens and rewards; its log-probs,
   losses and weights agree to 1e-4, not bit for bit, because two engines compute each prompt in a smaller
@@ -23,6 +25,7 @@ model, whose rewards vary, Math-TIR, 16 new tokens a turn, 4 episodes an update)
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import shutil
@@ -38,7 +41,7 @@ import ray
 import torch
 from streamrl.agents.base import SamplingParams
 from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
-from streamrl.agents.models import resolve_model
+from streamrl.agents.models import load_tokenizer, resolve_model
 from streamrl.agents.ray_engines import RayEngines
 from streamrl.agents.vllm_backend import AdapterMismatchError, read_adapter_probe, write_adapter_probe
 from streamrl.algorithms.base import Episode, make_algorithm
@@ -187,6 +190,39 @@ def test_every_engine_must_serve_the_published_version(tmp_path: Path) -> None:
         alone = local.generate(prompts, params, seeds=[1, 2, 3])
         assert [g.token_ids for g in routed] == [g.token_ids for g in alone]
     local.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (the `vllm` extra)"
+)
+def test_a_vllm_engine_in_a_ray_actor_serves_the_published_adapter(tmp_path: Path) -> None:
+    """A rollout engine's other backend: vLLM (CPU) in a Ray actor loads the adapter the learner publishes,
+    passes the probe check, and generates what the adapted model generates greedily."""
+    import psutil
+    from streamrl.agents.vllm_backend import VLLMBackendConfig
+    from test_agents_vllm import _make_adapter, _probe_logprobs
+
+    adapter = tmp_path / "v1"
+    model = _make_adapter(adapter, seed=1)
+    tokenizer = load_tokenizer(resolve_model("tiny"))
+    probe = tokenizer.encode("What is 6 times 7? The answer is 42.")
+    write_adapter_probe(adapter, probe, _probe_logprobs(model, probe))
+    prompts = [probe[:5], probe[:9]]
+    with torch.no_grad():
+        expected = [
+            model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p) :].tolist()
+            for p in prompts
+        ]
+    with RayEngines("tiny", VLLMBackendConfig(), engines=1, actor_options={"num_cpus": 1}) as engines:
+        info = ray.get(engines.actors[0].describe.remote())
+        assert any(p.name().startswith("VLLM") for p in psutil.Process(info["pid"]).children(recursive=True))
+        engines.set_adapter(
+            str(adapter), 1
+        )  # raises unless the engine's probe log-probs are the published ones
+        assert engines.adapter_version == 1
+        served = engines.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0), seeds=[1, 2])
+        assert [g.token_ids for g in served] == expected and all(g.adapter_version == 1 for g in served)
 
 
 # ---------------------------------------------------------------------------------------------------------
