@@ -685,7 +685,8 @@ class Learner:
         the other ranks."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return get_model_state_dict(self.model, options=_full_state_options())
+        weights = get_model_state_dict(self.model, options=_full_state_options())
+        return {k: v for k, v in weights.items() if isinstance(v, torch.Tensor)}
 
     def close(self) -> None:
         """Release what the learner holds besides its own weights: nothing on one rank

@@ -41,6 +41,8 @@ from streamrl.algorithms.learner import (
 from streamrl.algorithms.runtime import Job, Rollouts, collect
 from streamrl.algorithms.tracker import Ticket
 from streamrl.algorithms.train import ConfigError, TrainConfig, Trainer
+from streamrl.evaluation.cli import parse_train_args
+from test_train import assert_ledger_closes
 from torch.distributed.tensor import DTensor
 
 BASELINES = [0.9, 0.1, 0.6, 0.3, 0.75]
@@ -380,6 +382,44 @@ def test_a_two_rank_training_run_trains_like_one_rank(tmp_path: Path) -> None:
     assert rows[1]["learner/loss"] == pytest.approx(rows[0]["learner/loss"], abs=1e-6)  # ~0: whitened
 
 
+def test_an_fsdp_training_run_closes_its_ledger_and_resumes_on_one_rank(tmp_path: Path) -> None:
+    """``streamrl train --learner-ranks 2 --sharding fsdp``: two SPO updates, each followed by SPO's rescoring
+    (the ranks score their share of the episodes), a publication (the full weights gathered to rank 0, the
+    probe's forward on both ranks, checked against the backend) and a checkpoint (the full state). Every row's
+    ledger closes. The checkpoint is a single rank's: the run resumes on one replicated rank (how the ranks
+    hold the policy is placement, like their number) and trains a third update."""
+    config = TrainConfig(
+        out=str(tmp_path / "run"),
+        env="math_tir",
+        algo="spo",
+        init="base",
+        updates=2,
+        batch=4,
+        num_envs=4,
+        tasks=4,
+        max_staleness=0,
+        offline_rollouts=0,
+        eval_every=0,
+        max_new_tokens=16,
+        env_workers="inprocess",
+        checkpoint_every=1,
+        learner_ranks=2,
+        learner=LearnerConfig(sharding="fsdp"),
+    )
+    Trainer(config, log=lambda _: None, progress=False).run()
+    run = Path(config.out)
+    assert json.loads((run / "config.json").read_text())["learner"]["sharding"] == "fsdp"
+    assert (run / "policy" / "v2" / "model.safetensors").is_file()
+    state = torch.load(run / "checkpoint" / "learner.pt", weights_only=False)["learner"]
+    assert state["steps"] == 2 and state["finetune"] == "full" and len(state["optimizer"]["state"]) > 0
+    resumed = replace(config, updates=3, learner_ranks=1, learner=LearnerConfig())
+    Trainer(resumed, resume=True, log=lambda _: None, progress=False).run()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["update"] for r in rows] == [1, 2, 3]
+    assert all(r["learner/policy_trained"] == 1.0 for r in rows)
+    assert_ledger_closes(rows)
+
+
 def test_shards_hold_the_single_rank_mini_batches_balanced_by_tokens(episodes: list[Episode]) -> None:
     tokens = [e.num_action_tokens for e in episodes]
     advantages = [float(i) for i in range(len(episodes))]
@@ -420,6 +460,23 @@ def test_bad_input_is_refused_with_the_valid_range(episodes: list[Episode], tmp_
         Trainer(TrainConfig(**base, learner_ranks=0), progress=False)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="learner_ranks=5 is more than the batch \\(4 trajectories\\)"):
         Trainer(TrainConfig(**base, learner_ranks=5), progress=False)  # type: ignore[arg-type]
+    # sharding
+    with pytest.raises(ValueError, match="sharding must be 'replicate' or 'fsdp', got 'zero3'"):
+        LearnerConfig(sharding="zero3")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"sharding='fsdp' shards a fully fine-tuned model.*finetune='full'"):
+        LearnerConfig(sharding="fsdp", finetune="lora")
+    assert LearnerConfig(sharding="fsdp").resolved_finetune(10**10) == "full"  # "auto" picks full under FSDP
+    fsdp = LearnerConfig(sharding="fsdp")
+    with pytest.raises(ConfigError, match=r"sharding='fsdp' .* needs learner_ranks >= 2, got 1"):
+        Trainer(TrainConfig(**base, learner=fsdp), progress=False)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"sharding='fsdp' .* needs their group"):
+        Learner(load_model(resolve_model("tiny")), fsdp, pad_token_id=0, total_steps=1)
+    _, parsed = parse_train_args(
+        ["--out", str(tmp_path / "cli"), "--learner-ranks", "2", "--sharding", "fsdp"]
+    )
+    assert parsed.learner.sharding == "fsdp" and parsed.learner_ranks == 2
+    with pytest.raises(SystemExit):
+        parse_train_args(["--out", str(tmp_path / "cli"), "--sharding", "zero3"])
 
 
 def test_a_cpu_learner_on_a_machine_with_a_gpu_joins_over_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
