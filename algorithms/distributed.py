@@ -27,10 +27,34 @@ Launch (``DistributedLearner``): the trainer's process is rank 0; it starts rank
 ``LearnerRank`` (a plain class, ``LearnerRank(rank, world_size, init_method, spec)``), and ships each its
 shard per update through a ``RankHandle``: by default a spawned process (``ProcessRank`` running
 ``serve_rank``) reached over a pipe; another launcher (Ray actors) passes its own ``start_rank``. The
-single-stream runtime stays in rank 0; only ``Learner.update`` and ``load_state_dict`` involve the other
-ranks. SAO's critic trains on rank 0 alone.
+single-stream runtime stays in rank 0; with replicas only ``Learner.update`` and ``load_state_dict`` involve
+the other ranks. SAO's critic trains on rank 0 alone.
 
-FSDP (sharded parameters for models too large to replicate) is not wired: see docs/training.md.
+**FSDP** (``LearnerConfig.sharding="fsdp"``): each rank holds 1/R of every weight, gradient and Adam moment
+(FSDP2 ``fully_shard``, ``fully_shard_policy``: one unit per decoder layer, the embeddings, final norm and
+head in the root unit), for full fine-tuning of a model that one device cannot hold with its optimizer. The
+update is the replicated one (the same batch-global counts; the gradients are reduce-scattered as sums in
+every backward instead of all-reduced once per step). What sharding changes:
+
+- **Every forward and backward is a collective** (it gathers each unit's shards), so in each phase -- the
+  old log-probs, each optimizer step -- all ranks run as many as the busiest: a rank with fewer micro-batches
+  runs filler forwards on a two-token row, backpropagating 0 x its log-prob (no gradient, no metric).
+- **Rank 0 cannot run the policy alone**, so the trainer's forwards outside the update run on all ranks: the
+  publication probe (``token_logprobs``, the same sequence on every rank) and SPO's rescoring
+  (``episode_logprobs``: the trajectories dealt to the ranks, the results gathered in order).
+- **Saves use the full state, gathered to rank 0's CPU** (``torch.distributed.checkpoint.state_dict`` with
+  ``full_state_dict=True, cpu_offload=True``), as verl and OpenRLHF gather full weights to publish to their
+  inference engines: ``save_policy`` writes the full model the engines load; ``state_dict`` is exactly a
+  single rank's checkpoint (the Adam moments keyed by parameter index), so a checkpoint resumes under either
+  sharding and any number of ranks; ``load_state_dict`` broadcasts rank 0's state and each rank keeps its
+  shard. Rank 0's CPU holds the full weights and moments while a checkpoint is written. Per-rank sharded
+  checkpoints (DCP ``save``) would avoid that but tie a checkpoint to its layout.
+- **LoRA is refused**: the point of FSDP is a fully fine-tuned model (an adapter's optimizer state is small;
+  with LoRA, replicate the model), and a published LoRA policy is an adapter, not the full weights gathered
+  here. ``finetune="auto"`` means full fine-tuning under FSDP.
+
+The methods rank 0 calls on every rank for this (``state_dict``, ``save_policy``, ``episode_logprobs``,
+``token_logprobs`` of ``LearnerRank``) travel through ``RankHandle.send`` like ``update``.
 """
 
 from __future__ import annotations
@@ -488,8 +512,9 @@ class DistributedLearner(Learner):
     It starts ranks 1..R-1 (``start_rank``; default: spawned processes on this machine), each a
     ``LearnerRank`` on its own device (``cuda:r`` when the learner runs on CUDA, else the CPU), and drives
     them: ``update`` deals the batch, ships each rank its shard and trains its own; ``load_state_dict`` loads a
-    checkpoint on every rank. Everything else (saving, publishing, scoring, ``state_dict``) is rank 0's alone:
-    the replicas are equal. ``close`` stops the ranks.
+    checkpoint on every rank. With replicas everything else (saving, publishing, scoring, ``state_dict``) is
+    rank 0's alone: the replicas are equal. With FSDP those run on every rank too (module doc). ``close``
+    stops the ranks.
     """
 
     def __init__(

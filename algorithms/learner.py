@@ -18,7 +18,9 @@ Data-parallel ranks (``streamrl.algorithms.distributed``): ``shard_batch`` deals
 rank runs ``update_shard`` on its shard. The ranks gather every step's row lengths, so the loss aggregation
 (N_tok, B, T_max) is the whole batch's on every rank, sum their gradients (not average: each rank's loss is
 already divided by the global counts) before clipping, and take identical AdamW steps: the update is the
-single-rank update up to float rounding.
+single-rank update up to float rounding. With ``sharding="fsdp"`` each rank holds a shard of the model, every
+forward is a collective and the ranks run equally many (filler forwards pad the lighter ones); the full state
+is gathered to rank 0 for saves (``streamrl.algorithms.distributed``).
 
 Precision: fp32 on CPU; bf16 autocast on CUDA (log-probs and losses in fp32). Parameters: LoRA adapters
 (peft) or the full model (``LearnerConfig.finetune``; "auto" picks full fine-tuning below
