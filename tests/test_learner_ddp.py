@@ -85,6 +85,14 @@ def spec_for(algorithm: str, **config: Any) -> LearnerSpec:
     )
 
 
+def single_rank(spec: LearnerSpec) -> Learner:
+    """The learner of one rank (replicated: a single learner holds the whole model) that ``spec``'s ranks make."""
+    config = replace(spec.config, sharding="replicate")
+    return Learner(
+        load_model(spec.model_dir), config, pad_token_id=spec.pad_token_id, total_steps=spec.total_steps
+    )
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t``: its FSDP shard (of a DTensor), or ``t``."""
     return t.to_local() if isinstance(t, DTensor) else t
@@ -108,9 +116,7 @@ def train_both(
     """The update of one rank and of two ranks (left running: the caller closes it) on the same batch;
     ``launch``: how ``DistributedLearner`` starts rank 1 (``start_rank``, ``init_method``)."""
     runs = []
-    single = Learner(
-        load_model(spec.model_dir), spec.config, pad_token_id=spec.pad_token_id, total_steps=spec.total_steps
-    )
+    single = single_rank(spec)
     two = DistributedLearner(load_model(spec.model_dir), spec, 2, **launch)
     try:
         for learner in (single, two):
@@ -255,12 +261,7 @@ def test_fsdp_ranks_make_the_single_rank_update_and_save_its_full_state(
     shards = shard_batch(episodes, advantages, 2, 2)
     forwards = [[micro_batches(s, m, 1) for m in range(2)] for s in shards]
     assert sorted(map(sum, forwards)) == [2, 3] and forwards[0][0] != forwards[1][0]  # fillers in step 1
-    single = Learner(
-        load_model(spec.model_dir),
-        replace(spec.config, sharding="replicate"),
-        pad_token_id=spec.pad_token_id,
-        total_steps=spec.total_steps,
-    )
+    single = single_rank(spec)
     two = DistributedLearner(load_model(spec.model_dir), spec, 2)
     try:
         assert isinstance(two.params[0], DTensor)
@@ -301,12 +302,7 @@ def test_fsdp_ranks_make_the_single_rank_update_and_save_its_full_state(
                 1e-4,  # the clipped gradients', as above
             )
         # ... and loads into one rank; the single rank's loads into the FSDP ranks, exactly
-        other = Learner(
-            load_model(spec.model_dir),
-            replace(spec.config, sharding="replicate"),
-            pad_token_id=spec.pad_token_id,
-            total_steps=spec.total_steps,
-        )
+        other = single_rank(spec)
         other.load_state_dict(state)
         assert all(torch.equal(a, b) for a, b in zip(full_weights(other), sharded["after"], strict=True))
         two.load_state_dict(
@@ -338,6 +334,26 @@ def test_fsdp_ranks_make_the_single_rank_update_and_save_its_full_state(
         two.close()
 
 
+def tiny_run(out: Path, **config: Any) -> TrainConfig:
+    """A synchronous Math-TIR run of ``tiny`` sized for CI (batches of 4, 16 new tokens a turn, no evaluation)."""
+    return TrainConfig(
+        **{
+            "out": str(out),
+            "env": "math_tir",
+            "init": "base",
+            "batch": 4,
+            "num_envs": 4,
+            "tasks": 4,
+            "max_staleness": 0,
+            "offline_rollouts": 0,
+            "eval_every": 0,
+            "max_new_tokens": 16,
+            "env_workers": "inprocess",
+            **config,
+        }
+    )
+
+
 def test_a_two_rank_training_run_trains_like_one_rank(tmp_path: Path) -> None:
     """``streamrl train`` with ``learner_ranks=2``: a synchronous SAO run of one update (the critic's values
     make the advantages vary although ``tiny`` never wins; the critic trains on rank 0). The published weights
@@ -348,20 +364,10 @@ def test_a_two_rank_training_run_trains_like_one_rank(tmp_path: Path) -> None:
 
     weights, rows = [], []
     for ranks in (1, 2):
-        config = TrainConfig(
-            out=str(tmp_path / f"ranks{ranks}"),
-            env="math_tir",
+        config = tiny_run(
+            tmp_path / f"ranks{ranks}",
             algo="sao",
-            init="base",
             updates=1,
-            batch=4,
-            num_envs=4,
-            tasks=4,
-            max_staleness=0,
-            offline_rollouts=0,
-            eval_every=0,
-            max_new_tokens=16,
-            env_workers="inprocess",
             checkpoint_every=0,
             learner_ranks=ranks,
             algorithm={"warmup_updates": 0, "critic_updates": 1},
@@ -388,20 +394,10 @@ def test_an_fsdp_training_run_closes_its_ledger_and_resumes_on_one_rank(tmp_path
     probe's forward on both ranks, checked against the backend) and a checkpoint (the full state). Every row's
     ledger closes. The checkpoint is a single rank's: the run resumes on one replicated rank (how the ranks
     hold the policy is placement, like their number) and trains a third update."""
-    config = TrainConfig(
-        out=str(tmp_path / "run"),
-        env="math_tir",
+    config = tiny_run(
+        tmp_path / "run",
         algo="spo",
-        init="base",
         updates=2,
-        batch=4,
-        num_envs=4,
-        tasks=4,
-        max_staleness=0,
-        offline_rollouts=0,
-        eval_every=0,
-        max_new_tokens=16,
-        env_workers="inprocess",
         checkpoint_every=1,
         learner_ranks=2,
         learner=LearnerConfig(sharding="fsdp"),
