@@ -588,14 +588,11 @@ class Learner:
             if self._first_rank:
                 # one entry per tensor, as the model would save itself: a tied weight (the output head's)
                 # shares its tensor on the model, but the gathered copies are separate tensors
-                seen: set[int] = set()
-                names = [
-                    k
-                    for k, v in self.model.state_dict(keep_vars=True).items()
-                    if id(v) not in seen and not seen.add(id(v))  # type: ignore[func-returns-value]
-                ]
+                names: dict[int, str] = {}
+                for k, v in self.model.state_dict(keep_vars=True).items():
+                    names.setdefault(id(v), k)
                 path.mkdir(parents=True, exist_ok=True)
-                self.model.save_pretrained(str(path), state_dict={k: weights[k] for k in names})
+                self.model.save_pretrained(str(path), state_dict={k: weights[k] for k in names.values()})
             return path
         path.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(str(path))
