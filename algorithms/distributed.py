@@ -27,22 +27,49 @@ Launch (``DistributedLearner``): the trainer's process is rank 0; it starts rank
 ``LearnerRank`` (a plain class, ``LearnerRank(rank, world_size, init_method, spec)``), and ships each its
 shard per update through a ``RankHandle``: by default a spawned process (``ProcessRank`` running
 ``serve_rank``) reached over a pipe; another launcher (Ray actors) passes its own ``start_rank``. The
-single-stream runtime stays in rank 0; only ``Learner.update`` and ``load_state_dict`` involve the other
-ranks. SAO's critic trains on rank 0 alone.
+single-stream runtime stays in rank 0; with replicas only ``Learner.update`` and ``load_state_dict`` involve
+the other ranks. SAO's critic trains on rank 0 alone.
 
-FSDP (sharded parameters for models too large to replicate) is not wired: see docs/training.md.
+**FSDP** (``LearnerConfig.sharding="fsdp"``): each rank holds 1/R of every weight, gradient and Adam moment
+(FSDP2 ``fully_shard``, ``fully_shard_policy``: one unit per decoder layer, the embeddings, final norm and
+head in the root unit), for full fine-tuning of a model that one device cannot hold with its optimizer. The
+update is the replicated one (the same batch-global counts; the gradients are reduce-scattered as sums in
+every backward instead of all-reduced once per step). What sharding changes:
+
+- **Every forward and backward is a collective** (it gathers each unit's shards), so in each phase -- the
+  old log-probs, each optimizer step -- all ranks run as many as the busiest: a rank with fewer micro-batches
+  runs filler forwards on a two-token row, backpropagating 0 x its log-prob (no gradient, no metric).
+- **Rank 0 cannot run the policy alone**, so the trainer's forwards outside the update run on all ranks: the
+  publication probe (``token_logprobs``, the same sequence on every rank) and SPO's rescoring
+  (``episode_logprobs``: the trajectories dealt to the ranks, the results gathered in order).
+- **Saves use the full state, gathered to rank 0's CPU** (``torch.distributed.checkpoint.state_dict`` with
+  ``full_state_dict=True, cpu_offload=True``), as verl and OpenRLHF gather full weights to publish to their
+  inference engines: ``save_policy`` writes the full model the engines load; ``state_dict`` is exactly a
+  single rank's checkpoint (the Adam moments keyed by parameter index), so a checkpoint resumes under either
+  sharding and any number of ranks; ``load_state_dict`` broadcasts rank 0's state and each rank keeps its
+  shard. Rank 0's CPU holds the full weights and moments while a checkpoint is written. Per-rank sharded
+  checkpoints (DCP ``save``) would avoid that but tie a checkpoint to its layout.
+- **LoRA is refused**: the point of FSDP is a fully fine-tuned model (an adapter's optimizer state is small;
+  with LoRA, replicate the model), and a published LoRA policy is an adapter, not the full weights gathered
+  here. ``finetune="auto"`` means full fine-tuning under FSDP.
+
+The methods rank 0 calls on every rank for this (``state_dict``, ``save_policy``, ``episode_logprobs``,
+``token_logprobs`` of ``LearnerRank``) travel through ``RankHandle.send`` like ``update``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import signal
 import socket
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -51,9 +78,11 @@ from streamrl.algorithms.learner import Learner, LearnerConfig, Shard, shard_bat
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
+    from streamrl.agents.trajectory import Trajectory
     from streamrl.algorithms.base import Algorithm, Episode
 
 Backend = Literal["auto", "gloo", "nccl"]
+T = TypeVar("T")
 
 BUCKET_ELEMENTS = 1 << 24
 """Gradient elements per all-reduce (64 MiB of fp32): one flat copy of a bucket at a time, not of the model."""
@@ -148,11 +177,68 @@ def _unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None
 
 
 def parameter_digest(learner: Learner) -> str:
-    """SHA-256 of the learner's trainable weights (bytes, in parameter order): equal on equal replicas."""
+    """SHA-256 of the learner's trainable weights (bytes, in parameter order): equal on equal replicas. With
+    FSDP, of the full weights (a collective: every rank calls it at once)."""
+    from torch.distributed.tensor import DTensor
+
     h = hashlib.sha256()
     for p in learner.params:
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        h.update(full.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+class FSDPRoot(torch.nn.Module):
+    """The root FSDP unit around a policy: ``root(fn, *args)`` runs ``fn(policy, *args)``.
+
+    FSDP gathers a unit's shards in its module's forward hooks. The learner does not call the policy's own
+    ``forward``: it runs the decoder and then the output head on the selected positions only
+    (``selected_token_logprobs``), which would bypass the hooks of a root unit on the policy. Any function of
+    the policy run through this module's forward has the root's shards (embeddings, final norm, head: tied
+    weights stay in one unit) gathered, and their gradients reduced, as a plain forward would."""
+
+    def __init__(self, policy: torch.nn.Module) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        out = fn(self.policy, *args, **kwargs)
+        # FSDP hooks the outputs for the backward; an output that is a view would lose the hook to an in-place
+        # op (FSDP warns): return copies (a few values per token, next to a forward)
+        if isinstance(out, tuple):
+            return tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in out)
+        return out.clone() if isinstance(out, torch.Tensor) else out
+
+
+def fully_shard_policy(model: torch.nn.Module, group: RankGroup, device: torch.device) -> FSDPRoot:
+    """Shard ``model`` over ``group`` with FSDP2 (``fully_shard``) and make every rank's weights rank 0's.
+
+    Units: every module whose class is in the model's ``_no_split_modules`` (Hugging Face's decoder layers:
+    one layer's full weights exist at a time in a forward or backward), then the root (``FSDPRoot``). The
+    shards move to ``device``. Gradients are reduce-scattered as sums, not averages (each rank's loss is
+    already divided by the batch's counts), with plain SUM reductions, which gloo has. Rank 0's state dict
+    (taken before sharding, on its own device) is then broadcast and each rank keeps its shard: the replicas'
+    starting point is rank 0's, as with replication."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    full = dict(model.state_dict()) if group.rank == 0 else {}
+    mesh = init_device_mesh(device.type, (group.world_size,))
+    units = set(getattr(model, "_no_split_modules", None) or ())
+    for module in reversed(list(model.modules())):  # inner units first
+        if type(module).__name__ in units:
+            fully_shard(module, mesh=mesh)
+    root = FSDPRoot(model)
+    fully_shard(root, mesh=mesh)
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # 1.0 would be a PREMUL_SUM, which gloo lacks
+    set_model_state_dict(
+        model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
+    return root
 
 
 def _algorithm_fields(algorithm: Algorithm) -> dict[str, Any]:
@@ -239,6 +325,23 @@ class LearnerRank:
     def digest(self) -> str:
         return parameter_digest(self.learner)
 
+    # With FSDP, rank 0's learner calls on all ranks at once (``DistributedLearner``):
+
+    def state_dict(self) -> None:
+        """Take part in gathering the full state to rank 0."""
+        self.learner.state_dict()
+
+    def save_policy(self, directory: str) -> None:
+        """Take part in gathering the full weights to rank 0, which writes them to ``directory``."""
+        self.learner.save_policy(directory)
+
+    def episode_logprobs(self, trajectories: list[Trajectory]) -> list[torch.Tensor]:
+        """``Learner.episode_logprobs`` of this rank's share of the trajectories."""
+        return self.learner.episode_logprobs(trajectories)
+
+    def token_logprobs(self, sequence: list[int]) -> list[float]:
+        return self.learner.token_logprobs(sequence)
+
     def close(self) -> None:
         self.group.close()
 
@@ -283,6 +386,18 @@ def serve_rank(
             conn.send(("ok", result))
     finally:
         worker.close()
+
+
+def deal(sizes: Sequence[int], ranks: int) -> list[list[int]]:
+    """Indices of ``sizes`` dealt to ``ranks`` parts: largest first, each to the part with the smallest total so
+    far (ties: the lowest part); each part ascending. Deterministic."""
+    parts: list[list[int]] = [[] for _ in range(ranks)]
+    totals = [0] * ranks
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(ranks), key=lambda r: (totals[r], r))
+        parts[r].append(i)
+        totals[r] += sizes[i]
+    return [sorted(part) for part in parts]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -397,8 +512,9 @@ class DistributedLearner(Learner):
     It starts ranks 1..R-1 (``start_rank``; default: spawned processes on this machine), each a
     ``LearnerRank`` on its own device (``cuda:r`` when the learner runs on CUDA, else the CPU), and drives
     them: ``update`` deals the batch, ships each rank its shard and trains its own; ``load_state_dict`` loads a
-    checkpoint on every rank. Everything else (saving, publishing, scoring, ``state_dict``) is rank 0's alone:
-    the replicas are equal. ``close`` stops the ranks.
+    checkpoint on every rank. With replicas everything else (saving, publishing, scoring, ``state_dict``) is
+    rank 0's alone: the replicas are equal. With FSDP those run on every rank too (module doc). ``close``
+    stops the ranks.
     """
 
     def __init__(
@@ -463,23 +579,68 @@ class DistributedLearner(Learner):
         assert self.group is not None
         shards = shard_batch(episodes, advantages, self.group.world_size, self.config.mini_batches)
         config = _algorithm_fields(algorithm)
-        for handle, shard in zip(self._ranks, shards[1:], strict=True):
-            handle.send("update", (shard, config))
-        try:
-            metrics = self.update_shard(shards[0], algorithm)
-        except RuntimeError as exc:
-            failure = self._rank_failure()
-            if failure is None:
-                raise
-            raise failure from exc
-        self._results()
+        metrics, _ = self._on_all(
+            "update",
+            [(shard, config) for shard in shards[1:]],
+            partial(self.update_shard, shards[0], algorithm),
+        )
         return metrics
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        for handle in self._ranks:
-            handle.send("load_state_dict", (state,))
-        self._results()
+        """Load a checkpoint on every rank. With FSDP the weights and optimizer state travel by broadcast
+        from rank 0 (only the small rest is sent to each rank), checked here before the ranks wait for it."""
+        if not self.sharded:
+            super().load_state_dict(state)
+            for handle in self._ranks:
+                handle.send("load_state_dict", (state,))
+            self._results()
+            return
+        self.check_state_dict(state)
+        rest = {**state, "weights": {}, "optimizer": {} if state["steps"] else state["optimizer"]}
+        self._on_all("load_state_dict", self._same(rest), partial(super().load_state_dict, state))
+
+    # With FSDP every forward and every gather of the full state is a collective: these run on all ranks.
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full state (``Learner.state_dict``); with FSDP gathered from every rank's shards."""
+        if not self.sharded:
+            return super().state_dict()
+        return self._on_all("state_dict", self._same(), super().state_dict)[0]
+
+    def save_policy(self, directory: str | os.PathLike[str]) -> Path:
+        """``Learner.save_policy``; with FSDP the full weights are gathered to rank 0, which writes them."""
+        if not self.sharded:
+            return super().save_policy(directory)
+        return self._on_all(
+            "save_policy", self._same(str(directory)), partial(super().save_policy, directory)
+        )[0]
+
+    def episode_logprobs(self, trajectories: Sequence[Trajectory]) -> list[torch.Tensor]:
+        """``Learner.episode_logprobs``; with FSDP the trajectories are dealt to the ranks (longest first to
+        the rank with the fewest tokens), each scores its share, and rank 0 puts them back in order."""
+        if not self.sharded:
+            return super().episode_logprobs(trajectories)
+        assert self.group is not None
+        parts = deal([sum(len(s) for s in t.sequences) for t in trajectories], self.group.world_size)
+        shares = [[trajectories[i] for i in part] for part in parts]
+        mine, theirs = self._on_all(
+            "episode_logprobs",
+            [(share,) for share in shares[1:]],
+            partial(super().episode_logprobs, shares[0]),
+        )
+        out: list[torch.Tensor] = [torch.empty(0)] * len(trajectories)
+        for part, values in zip(parts, [mine, *theirs], strict=True):
+            for i, v in zip(part, values, strict=True):
+                out[i] = v
+        return out
+
+    def token_logprobs(self, sequence: Sequence[int]) -> list[float]:
+        """``Learner.token_logprobs``; with FSDP every rank runs the same forward (rank 0's answer is kept)."""
+        if not self.sharded:
+            return super().token_logprobs(sequence)
+        return self._on_all(
+            "token_logprobs", self._same(list(sequence)), partial(super().token_logprobs, sequence)
+        )[0]
 
     def digests(self) -> list[str]:
         """Every rank's ``parameter_digest``, in rank order: all equal while the replicas agree."""
@@ -495,6 +656,27 @@ class DistributedLearner(Learner):
         if self.group is not None:
             self.group.close()
             self.group = None
+
+    def _same(self, *args: Any) -> list[tuple[Any, ...]]:
+        """The same ``args`` for every other rank (``_on_all``)."""
+        return [args] * len(self._ranks)
+
+    def _on_all(
+        self, method: str, args: Sequence[tuple[Any, ...]], mine: Callable[[], T]
+    ) -> tuple[T, list[Any]]:
+        """Call ``LearnerRank.<method>(*args[r - 1])`` on every other rank r and ``mine()`` here, at once (so
+        that they meet in their collectives); this rank's result, and the others' in rank order. A rank that
+        fails takes the call down with its error."""
+        for handle, rank_args in zip(self._ranks, args, strict=True):
+            handle.send(method, rank_args)
+        try:
+            result = mine()
+        except RuntimeError as exc:
+            failure = self._rank_failure()
+            if failure is None:
+                raise
+            raise failure from exc
+        return result, self._results()
 
     def _rank_failure(self) -> RuntimeError | None:
         """After a collective of rank 0 failed: the error of the rank that took it down, if one stopped."""

@@ -18,7 +18,9 @@ Data-parallel ranks (``streamrl.algorithms.distributed``): ``shard_batch`` deals
 rank runs ``update_shard`` on its shard. The ranks gather every step's row lengths, so the loss aggregation
 (N_tok, B, T_max) is the whole batch's on every rank, sum their gradients (not average: each rank's loss is
 already divided by the global counts) before clipping, and take identical AdamW steps: the update is the
-single-rank update up to float rounding.
+single-rank update up to float rounding. With ``sharding="fsdp"`` each rank holds a shard of the model, every
+forward is a collective and the ranks run equally many (filler forwards pad the lighter ones); the full state
+is gathered to rank 0 for saves (``streamrl.algorithms.distributed``).
 
 Precision: fp32 on CPU; bf16 autocast on CUDA (log-probs and losses in fp32). Parameters: LoRA adapters
 (peft) or the full model (``LearnerConfig.finetune``; "auto" picks full fine-tuning below
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
 
 Finetune = Literal["auto", "full", "lora"]
 Schedule = Literal["cosine", "constant"]
+Sharding = Literal["replicate", "fsdp"]
 
 
 @dataclass(frozen=True)
@@ -83,10 +86,23 @@ class LearnerConfig:
     lora_target_modules: str | tuple[str, ...] = "all-linear"
     device: str = "auto"
     """``"auto"`` = CUDA when available, else CPU."""
+    sharding: Sharding = "replicate"
+    """How learner ranks (``TrainConfig.learner_ranks`` >= 2) hold the policy: ``"replicate"``, a whole copy on
+    every rank (gradients summed in one all-reduce per step), or ``"fsdp"``, FSDP2 ``fully_shard``: each rank
+    holds 1/R of the weights, gradients and optimizer state, for full fine-tuning of models one device cannot
+    hold with their optimizer (LoRA is refused; ``finetune="auto"`` means full). See
+    ``streamrl.algorithms.distributed``."""
 
     def __post_init__(self) -> None:
         if self.finetune not in ("auto", "full", "lora"):
             raise ValueError(f"finetune must be 'auto', 'full' or 'lora', got {self.finetune!r}")
+        if self.sharding not in ("replicate", "fsdp"):
+            raise ValueError(f"sharding must be 'replicate' or 'fsdp', got {self.sharding!r}")
+        if self.sharding == "fsdp" and self.finetune == "lora":
+            raise ValueError(
+                "sharding='fsdp' shards a fully fine-tuned model; LoRA adapters are not sharded: use "
+                "finetune='full' with fsdp, or sharding='replicate' with LoRA"
+            )
         if self.schedule not in ("cosine", "constant"):
             raise ValueError(f"schedule must be 'cosine' or 'constant', got {self.schedule!r}")
         if self.lr < 0:
@@ -102,6 +118,8 @@ class LearnerConfig:
     def resolved_finetune(self, num_params: int) -> Literal["full", "lora"]:
         if self.finetune != "auto":
             return self.finetune
+        if self.sharding == "fsdp":
+            return "full"
         return "full" if num_params < self.full_finetune_max_params else "lora"
 
 
@@ -262,9 +280,16 @@ class Learner:
     ) -> None:
         """``group``: the data-parallel ranks this learner is one of (``streamrl.algorithms.distributed``);
         ``None``: a single rank. Every rank constructs its learner together: rank 0's trainable weights are
-        broadcast to the others."""
+        broadcast to the others (with ``sharding="fsdp"``, rank 0's whole state, then each rank keeps its
+        shard)."""
         self.config = config or LearnerConfig()
         self.group = group
+        self.sharded = self.config.sharding == "fsdp"
+        if self.sharded and group is None:
+            raise ValueError(
+                "sharding='fsdp' shards the policy over learner ranks and needs their group "
+                "(streamrl.algorithms.distributed); a single learner holds the whole model: use 'replicate'"
+            )
         self.device = _device(self.config.device)
         self.pad_token_id = pad_token_id
         self.temperature = temperature
@@ -282,10 +307,18 @@ class Learner:
         else:
             for p in model.parameters():
                 p.requires_grad_(True)
-        self.model = model.to(self.device)
+        self._root: Any = None
+        if self.sharded:
+            from streamrl.algorithms.distributed import fully_shard_policy
+
+            assert group is not None
+            self._root = fully_shard_policy(model, group, self.device)  # moves the shards to the device
+            self.model = model
+        else:
+            self.model = model.to(self.device)
         self.model.eval()  # no dropout in rollouts or scoring; the loss is the same function in training
         self.params = list(trainable_parameters(self.model))
-        if self.group is not None:  # replicas start equal (a LoRA's random init, a rank's own load)
+        if self.group is not None and not self.sharded:  # replicas start equal (a LoRA's init, a rank's load)
             self.group.broadcast_([p.data for p in self.params])
         self.lr = self.config.lr
         self.optimizer = torch.optim.AdamW(self.params, lr=self.lr, weight_decay=self.config.weight_decay)
@@ -309,10 +342,17 @@ class Learner:
     def _micro_batches(self, rows: Sequence[TrainingRow]) -> list[list[int]]:
         return length_sorted_chunks(rows, self.config.micro_batch_tokens)
 
+    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(self.model, *args, **kwargs)``; with FSDP through the root unit, whose forward hooks gather the
+        root's shards (embeddings, final norm, head) and arrange their gradients' reduction."""
+        if self._root is not None:
+            return self._root(fn, *args, **kwargs)
+        return fn(self.model, *args, **kwargs)
+
     def _forward(self, batch: TokenBatch, with_entropy: bool) -> Any:
         with self._autocast:
-            return selected_token_logprobs(
-                self.model,
+            return self._call(
+                selected_token_logprobs,
                 batch.input_ids,
                 batch.attention_mask,
                 batch.action_mask,
@@ -320,20 +360,57 @@ class Learner:
                 temperature=self.temperature,
             )
 
+    def _matching_forwards(self, forwards: int) -> int:
+        """How many forwards this rank runs in a phase where it has ``forwards`` of its own: with FSDP every
+        forward (and backward) is a collective over the ranks (it gathers each unit's shards), so every rank
+        runs as many as the busiest one; otherwise ``forwards``."""
+        if not self.sharded:
+            return forwards
+        assert self.group is not None
+        return max(self.group.all_gather_object(forwards))
+
+    def _filler_forwards(self, count: int, *, backward: bool) -> None:
+        """``count`` forwards on one two-token row (and with ``backward`` a backward of 0 x its log-prob): they
+        take part in FSDP's gathers and reductions and add nothing to any gradient or metric."""
+        ids = torch.full((1, 2), self.pad_token_id, device=self.device)
+        select = torch.ones((1, 1), dtype=torch.bool, device=self.device)
+        for _ in range(count):
+            with nullcontext() if backward else torch.no_grad(), self._autocast:
+                out = self._call(selected_token_logprobs, ids, torch.ones_like(ids), select)
+            if backward:
+                (out.float().sum() * 0.0).backward()
+
     def _row_logprobs(self, rows: Sequence[TrainingRow]) -> list[torch.Tensor]:
         """Log-probs of each row's action tokens under the current weights (flat, fp32, on CPU)."""
-        return score_rows(
+        forwards = len(length_sorted_chunks(rows, self.config.micro_batch_tokens))
+        fillers = self._matching_forwards(forwards) - forwards
+        out = score_rows(
             rows,
             lambda batch: self._forward(batch, with_entropy=False),
             pad_token_id=self.pad_token_id,
             max_tokens=self.config.micro_batch_tokens,
             device=self.device,
         )
+        self._filler_forwards(fillers, backward=False)
+        return out
 
     def episode_logprobs(self, trajectories: Sequence[Trajectory]) -> list[torch.Tensor]:
-        """Per trajectory, the log-probs of all its action tokens (sequence order) under the current weights."""
+        """Per trajectory, the log-probs of all its action tokens (sequence order) under the current weights.
+        With FSDP every rank calls it at once, each with its own trajectories (``DistributedLearner`` deals
+        them)."""
         rows = training_rows(trajectories)
         return per_episode(rows, self._row_logprobs(rows), len(trajectories))
+
+    @torch.no_grad()
+    def token_logprobs(self, sequence: Sequence[int]) -> list[float]:
+        """``log p(sequence[t+1] | sequence[:t+1])`` for every t under the current weights, at temperature 1 and
+        without autocast: what a backend serving the published policy must score (the trainer's publication
+        probe). With FSDP every rank calls it at once."""
+        from streamrl.agents.logprobs import token_logprobs
+
+        ids = torch.tensor([list(sequence)], device=self.device)
+        out = self._call(token_logprobs, ids, torch.ones_like(ids))
+        return [float(x) for x in out[0].float().cpu()]
 
     # -- the update ------------------------------------------------------------------------------------------
     def update(
@@ -362,7 +439,9 @@ class Learner:
         aggs = [algorithm.aggregation(mask) for mask in self._step_masks(shard, rows, steps)]
         for _ in range(self.config.epochs):
             for mini, agg in zip(steps, aggs, strict=True):
-                for chunk in self._micro_batches([rows[i] for i in mini]):
+                chunks = self._micro_batches([rows[i] for i in mini])
+                fillers = self._matching_forwards(len(chunks)) - len(chunks)
+                for chunk in chunks:
                     idx = [mini[j] for j in chunk]
                     batch = collate([rows[i].sequence for i in idx], self.pad_token_id).to(self.device)
                     flat, entropy = self._forward(batch, with_entropy=True)
@@ -385,6 +464,7 @@ class Learner:
                     sums["entropy"] = sums.get("entropy", 0.0) + float(entropy.sum())
                     sums["loss"] = sums.get("loss", 0.0) + float(out.loss.detach())
                     self._mismatch(inputs, sums)
+                self._filler_forwards(fillers, backward=True)
                 grad_norms.append(self._step())
         action_tokens = float(sum(len(a) for a in row_adv))
         row_tokens = float(sum(len(r.sequence) for r in rows))
@@ -443,9 +523,11 @@ class Learner:
             sums["is_log_weight_abs"] = sums.get("is_log_weight_abs", 0.0) + float(log_w.abs().sum())
 
     def _step(self) -> float:
-        if self.group is not None:
+        if self.group is not None and not self.sharded:  # FSDP reduce-scatters (sums) in every backward
             self._reduce_gradients()
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
+        if self.sharded:  # the norm of the sharded gradient: a DTensor, its full value a collective
+            norm = norm.full_tensor()  # type: ignore[attr-defined]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -496,17 +578,52 @@ class Learner:
 
     # -- publication and checkpoints -------------------------------------------------------------------------
     def save_policy(self, directory: str | os.PathLike[str]) -> Path:
-        """Write the trained policy: the peft adapter (LoRA) or the full model (safetensors)."""
+        """Write the trained policy: the peft adapter (LoRA) or the full model (safetensors). With FSDP every
+        rank calls it at once: the full weights are gathered to rank 0 (on its CPU), which alone writes them."""
         path = Path(directory)
         if self.finetune == "lora":
             return save_adapter(self.model, path)
+        if self.sharded:
+            weights = self._full_weights()
+            if self._first_rank:
+                # one entry per tensor, as the model would save itself: a tied weight (the output head's)
+                # shares its tensor on the model, but the gathered copies are separate tensors
+                names: dict[int, str] = {}
+                for k, v in self.model.state_dict(keep_vars=True).items():
+                    names.setdefault(id(v), k)
+                path.mkdir(parents=True, exist_ok=True)
+                self.model.save_pretrained(str(path), state_dict={k: weights[k] for k in names.values()})
+            return path
         path.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(str(path))
         return path
 
     def state_dict(self) -> dict[str, Any]:
-        """Trainable weights, optimizer and scheduler state, step count (``torch.save``-able)."""
-        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        """Trainable weights, optimizer and scheduler state, step count (``torch.save``-able). With FSDP every
+        rank calls it at once and rank 0 gets the full (unsharded) state, the same a single rank would hold
+        (the other ranks get ``{}``), so a checkpoint loads whatever the ranks and sharding of the next run."""
+        trainable = self._trainable_names()
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            weights = self._full_weights()
+            # before the first step there are no moments to gather (and DCP would take a step to make some)
+            optimizer = (
+                get_optimizer_state_dict(self.model, self.optimizer, options=_full_state_options())
+                if self.optimizer.state
+                else self.optimizer.state_dict()  # in index form already
+            )
+            if not self._first_rank:
+                return {}
+            if self.optimizer.state:
+                optimizer = optimizer_state_by_index(optimizer, trainable)
+            return {
+                "weights": {k: v for k, v in weights.items() if k in trainable},
+                "optimizer": optimizer,
+                "scheduler": self.scheduler.state_dict(),
+                "steps": self.steps,
+                "finetune": self.finetune,
+            }
         return {
             "weights": {
                 k: v.detach().cpu().clone() for k, v in self.model.state_dict().items() if k in trainable
@@ -517,7 +634,8 @@ class Learner:
             "finetune": self.finetune,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def check_state_dict(self, state: dict[str, Any]) -> None:
+        """Raise ``ValueError`` if ``state`` (``state_dict``) cannot load into this learner."""
         if state["finetune"] != self.finetune:
             raise ValueError(
                 f"checkpoint trained {state['finetune']!r} parameters, this learner {self.finetune!r}"
@@ -525,11 +643,79 @@ class Learner:
         missing = set(state["weights"]) - set(self.model.state_dict())
         if missing:
             raise ValueError(f"checkpoint has weights this model lacks: {sorted(missing)[:5]}")
-        self.model.load_state_dict(state["weights"], strict=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a ``state_dict``. With FSDP every rank calls it at once; rank 0's weights and optimizer state
+        are broadcast and each rank keeps its shard (the other ranks' ``weights`` and ``optimizer`` may be
+        empty)."""
+        self.check_state_dict(state)
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+            first = self._first_rank  # (the setters replace the values of the dicts they are given)
+            set_model_state_dict(self.model, dict(state["weights"]) if first else {}, options=options)
+            if state["steps"]:
+                names = self._trainable_names()
+                optimizer = optimizer_state_by_name(state["optimizer"], names) if first else {}
+                set_optimizer_state_dict(self.model, self.optimizer, optimizer, options=options)
+            else:  # no moments yet, only hyper-parameters: every rank has them (DCP would take a step first)
+                self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            self.model.load_state_dict(state["weights"], strict=False)
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps = int(state["steps"])
+
+    @property
+    def _first_rank(self) -> bool:
+        return self.group is None or self.group.rank == 0
+
+    def _trainable_names(self) -> list[str]:
+        """The names of ``self.params``, in their order (the optimizer's parameter indices)."""
+        return [n for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def _full_weights(self) -> dict[str, torch.Tensor]:
+        """FSDP: the model's full state dict on rank 0's CPU (a collective: every rank calls it); ``{}`` on
+        the other ranks."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        weights = get_model_state_dict(self.model, options=_full_state_options())
+        return {k: v for k, v in weights.items() if isinstance(v, torch.Tensor)}
 
     def close(self) -> None:
         """Release what the learner holds besides its own weights: nothing on one rank
         (``streamrl.algorithms.distributed.DistributedLearner`` stops its other ranks)."""
+
+
+def _full_state_options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def optimizer_state_by_index(state: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """A full optimizer state keyed by parameter name (``torch.distributed.checkpoint``'s form) in
+    ``Optimizer.state_dict``'s form, keyed by the index of each parameter in ``names`` (the optimizer's
+    order): a checkpoint's optimizer state is the same whether one rank or FSDP ranks saved it."""
+    index = {name: i for i, name in enumerate(names)}
+    return {
+        "state": {index[name]: dict(values) for name, values in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [index[name] for name in group["params"]]} for group in state["param_groups"]
+        ],
+    }
+
+
+def optimizer_state_by_name(state: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """The inverse of ``optimizer_state_by_index``."""
+    return {
+        "state": {names[i]: dict(values) for i, values in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]
+        ],
+    }

@@ -359,6 +359,11 @@ class Trainer:
         for name in ("max_staleness", "offline_rollouts", "eval_every", "eval_episodes", "checkpoint_every"):
             if getattr(c, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(c, name)}")
+        if c.learner.sharding == "fsdp" and c.learner_ranks < 2:
+            raise ConfigError(
+                f"learner.sharding='fsdp' shards the policy over learner ranks: it needs learner_ranks >= 2, got "
+                f"{c.learner_ranks} (one rank holds the whole model: use sharding='replicate')"
+            )
         if c.learner_ranks > c.batch:
             raise ConfigError(
                 f"learner_ranks={c.learner_ranks} is more than the batch ({c.batch} trajectories): every rank needs "
@@ -399,6 +404,8 @@ class Trainer:
                     f"{self.run_dir} already holds a run; pass resume=True (--resume) or another out"
                 )
             mine = json.loads(json.dumps(self.config.to_dict()))
+            for values in (saved, mine):  # how the ranks hold the policy is placement: checkpoints are full
+                (values.get("learner") or {}).pop("sharding", None)
             changed = sorted(
                 k
                 for k in set(saved) | set(mine)
@@ -863,7 +870,6 @@ class Trainer:
 
     def _publish(self) -> int:
         """Save the policy + probe, load it into the backend, verify what is served, advance the clock."""
-        from streamrl.agents.logprobs import token_logprobs
         from streamrl.agents.vllm_backend import write_adapter_probe
 
         version = self.tracker.version + 1
@@ -871,9 +877,7 @@ class Trainer:
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         self.learner.save_policy(tmp)
-        ids = torch.tensor([self.probe], device=self.learner.device)
-        with torch.no_grad():
-            expected = token_logprobs(self.learner.model, ids, torch.ones_like(ids))[0].float().cpu().tolist()
+        expected = self.learner.token_logprobs(self.probe)
         write_adapter_probe(tmp, self.probe, expected)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
