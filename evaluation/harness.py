@@ -183,10 +183,16 @@ class LoadedAgent:
 
 
 def load_agent(
-    spec: AgentSpec, env: str, *, device: str = "auto", log: Callable[[str], None] = print
+    spec: AgentSpec,
+    env: str,
+    *,
+    device: str = "auto",
+    backend: str = "hf",
+    log: Callable[[str], None] = print,
 ) -> LoadedAgent:
     """The backend ``spec`` names for ``env`` (``sft`` resolves the env's SFT checkpoint, a ``run`` its
-    starting model and published version; both as ``algorithms.train.initial_model_dir`` does)."""
+    starting model and published version; both as ``algorithms.train.initial_model_dir`` does), on the
+    ``backend`` engine (``hf`` or ``vllm``)."""
     from streamrl.algorithms.train import initial_model_dir
 
     if spec.kind == "expert":
@@ -197,7 +203,7 @@ def load_agent(
         version = policy_version(spec.name, spec.version)
         policy = None if version == 0 else Path(spec.name) / "policy" / f"v{version}"
         what = f"run {spec.name} at version {version} ({config['model']}, init {config['init']})"
-        return LoadedAgent(spec, what, _backend(model_dir, policy, version, device))
+        return LoadedAgent(spec, what, _backend(model_dir, policy, version, device, backend))
     if spec.kind == "sft":
         model_dir = initial_model_dir(spec.name, "sft", env, log=log)
     else:
@@ -212,22 +218,38 @@ def load_agent(
         + (f"'s SFT checkpoint for {env}" if spec.kind == "sft" else "")
         + (f" with the policy {policy}" if policy is not None else "")
     )
-    return LoadedAgent(spec, what, _backend(model_dir, policy, 1, device))
+    return LoadedAgent(spec, what, _backend(model_dir, policy, 1, device, backend))
 
 
-def _backend(model_dir: Path, policy: Path | None, version: int, device: str) -> GenerationBackend:
-    """An HF backend serving ``model_dir``, or the published ``policy`` over it: a peft adapter is loaded onto
-    the model, full fine-tuned weights (what the trainer publishes for small models) replace it."""
+def _backend(
+    model_dir: Path, policy: Path | None, version: int, device: str, backend: str = "hf"
+) -> GenerationBackend:
+    """A backend serving ``model_dir``, or the published ``policy`` over it: a peft adapter is loaded onto
+    the model, full fine-tuned weights (what the trainer publishes for small models) replace it. vLLM serves
+    adapters only (as the trainer's vLLM engines do): full weights are refused with what to use instead."""
     from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
     from streamrl.agents.models import load_tokenizer
 
+    adapter = policy is not None and (policy / "adapter_config.json").is_file()
+    if backend == "vllm":
+        from streamrl.agents.vllm_backend import VLLMBackend
+
+        if policy is not None and not adapter:
+            raise ValueError(
+                f"{policy} holds full fine-tuned weights; the vLLM backend serves a base model or a peft adapter "
+                "over it: evaluate it with backend='hf' (--backend hf)"
+            )
+        engine = VLLMBackend(model_dir)
+        if policy is not None:
+            engine.set_adapter(str(policy), version)
+        return engine
     config = HFBackendConfig(device=device)
     if policy is None:
         return HFBackend(model_dir, config=config)
-    if (policy / "adapter_config.json").is_file():
-        backend = HFBackend(model_dir, config=config)
-        backend.set_adapter(str(policy), version)
-        return backend
+    if adapter:
+        hf = HFBackend(model_dir, config=config)
+        hf.set_adapter(str(policy), version)
+        return hf
     if not any(policy.glob("*.safetensors")):
         raise FileNotFoundError(f"{policy} holds neither a peft adapter nor model weights (*.safetensors)")
     return HFBackend(policy, tokenizer=load_tokenizer(model_dir), config=config)
@@ -324,7 +346,10 @@ class EvalConfig:
     env_workers: EnvWorkers = "subprocess"
     """Vector env workers: subprocess (default) or inprocess (debugging, tests)."""
     device: str = "auto"
-    """torch device of the model (auto: cuda when available)."""
+    """torch device of the model (auto: cuda when available; the HF backend's)."""
+    backend: Literal["hf", "vllm"] = "hf"
+    """Generation backend: ``hf`` (transformers, default) or ``vllm`` (the ``vllm`` extra; serves a base model
+    or a peft adapter over it, not full fine-tuned weights)."""
     threads: int = 1
     """torch threads (more only for a lone process)."""
     out: Path | None = None
@@ -337,6 +362,8 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if not self.agent:
             raise ValueError(f"agent is required; forms: {AGENT_FORMS}")
+        if self.backend not in ("hf", "vllm"):
+            raise ValueError(f"backend must be 'hf' or 'vllm', got {self.backend!r}")
         for name in ("samples", "num_envs", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -659,7 +686,7 @@ def run_evaluation(config: EvalConfig, log: Callable[[str], None] | None = None)
     agents: list[dict[str, Any]] = []
     task_counts: dict[str, int] = {}
     for label, agent_spec in zip("AB", specs, strict=False):
-        loaded = load_agent(agent_spec, env, device=config.device, log=log)
+        loaded = load_agent(agent_spec, env, device=config.device, backend=config.backend, log=log)
         log(f"eval {label}: {loaded.description} on {env} {list(splits)}")
         bar = _progress_bar(config, label, env)
         tick = None if bar is None else (lambda _finished, bar=bar: bar.update(1))

@@ -8,7 +8,9 @@ the scripted expert checks that successes are counted. Envs run in-process, 8 to
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -189,3 +191,26 @@ def test_compare_writes_table_plots_and_report(
 def test_compare_names_a_missing_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["compare", str(tmp_path / "gone"), "--out", str(tmp_path / "cmp")]) == 2
     assert "gone': no such directory" in capsys.readouterr().err
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (the `vllm` extra)"
+)
+def test_the_vllm_backend_plays_the_hf_backend_s_greedy_episodes(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """``--backend vllm`` on a model with a published adapter: greedy, the same episodes as the HF backend (both
+    float32, log-probs within ~1e-6, so the same tokens). Full fine-tuned weights are refused by name."""
+    from test_agents_vllm import _make_adapter
+
+    _make_adapter(tmp_path / "adapter", seed=3)
+    config = EvalConfig(agent=f"model:tiny@{tmp_path / 'adapter'}", **SMALL, temperatures=(0.0,))
+    hf = run_evaluation(config, log=QUIET)["agents"][0]
+    vllm = run_evaluation(replace(config, backend="vllm"), log=QUIET)["agents"][0]
+    assert vllm["episodes"] == hf["episodes"] and len(hf["episodes"]) == 3
+    assert sum(e["action_tokens"] for e in hf["episodes"]) > 0
+    with pytest.raises(ValueError, match=r"holds full fine-tuned weights; .* backend='hf'"):
+        run_evaluation(replace(config, agent=f"run:{runs['spo']}", backend="vllm"), log=QUIET)
+    with pytest.raises(ValueError, match="backend must be 'hf' or 'vllm', got 'sglang'"):
+        replace(config, backend="sglang")
