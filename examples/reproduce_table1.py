@@ -7,12 +7,14 @@ last five points), each pair truncated to its common budget, reported as paired 
 (mean ± sample s.d. over seeds). The curve is the held-out evaluation (fixed tasks and episode seeds), not the
 training batches. ``streamrl compare`` writes each env's plots and report beside the table::
 
-    python examples/reproduce_table1.py --scale cpu                 # tiny, both envs, seeds 0 1 2 (hours on 2 cores)
+    python examples/reproduce_table1.py --scale cpu                 # tiny, both envs, seeds 0 1 2 (~2 h on 2 cores)
     python examples/reproduce_table1.py --scale paper --model /models/Qwen3.5-0.8B --dry-run
     python examples/reproduce_table1.py --scale tiny --envs math_tir  # a smoke run of the whole pipeline
 
 ``--scale paper`` is SPO++ Table 3 for a GPU box with the model on local disk (the configs ``--dry-run`` prints);
-``--scale cpu`` is what 2 CPU cores afford on ``tiny`` from its SFT checkpoints.
+``--scale cpu`` is what 2 CPU cores afford on ``tiny`` from its SFT checkpoints (its table and how to read it:
+docs/evaluation.md, "SPO++ Table 1 on CPU"); ``--envs`` splits it into one process per env. Ctrl-C stops the
+script after the current run checkpoints; the same command resumes it.
 """
 
 from __future__ import annotations
