@@ -236,6 +236,16 @@ def test_demo_trains_evaluates_paired_and_reports(tmp_path: Path, capsys: pytest
     metrics = (out / "metrics.jsonl").read_text()
     assert main(["demo", "--out", str(out), *DEMO_SMALL]) == 0
     assert (out / "metrics.jsonl").read_text() == metrics  # finished: nothing trained again
+    # `streamrl eval` and `streamrl compare` take the demo's run as it is
+    small_eval = ["--tasks", "2", "--samples", "1", "--temperatures", "1", "--max-new-tokens", "8"]
+    small_eval += ["--num-envs", "2", "--env-workers", "inprocess", "--no-progress"]
+    assert (
+        main(["eval", f"run:{out}", "--vs", f"run:{out}@0", "--out", str(tmp_path / "e.json"), *small_eval])
+        == 0
+    )
+    assert json.loads((tmp_path / "e.json").read_text())["paired"][0]["n"] == 2
+    assert main(["compare", str(out), "--out", str(tmp_path / "cmp")]) == 0
+    assert (tmp_path / "cmp" / "report.md").is_file()
     with pytest.raises(SystemExit):
         main(["demo", "--updates", "0"])
     assert "updates must be >= 1, got 0" in capsys.readouterr().err
