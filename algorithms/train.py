@@ -289,16 +289,20 @@ class Trainer:
         self.run_dir = Path(config.out)
         self._validate(resume)
         torch.set_num_threads(config.threads)
-        self._build()
         self._stop = threading.Event()
         self._resumed = False
         self._checkpoint_version = 0
         """The policy version the last checkpoint serves: kept on disk whatever ``keep_versions`` says."""
-        if resume and (self.run_dir / "checkpoint" / "state.json").is_file():
-            self._load_checkpoint()
-            self._resumed = True
-        elif resume:  # killed before its first checkpoint: it starts over
-            self._truncate_metrics(-1)
+        try:
+            self._build()
+            if resume and (self.run_dir / "checkpoint" / "state.json").is_file():
+                self._load_checkpoint()
+                self._resumed = True
+            elif resume:  # killed before its first checkpoint: it starts over
+                self._truncate_metrics(-1)
+        except BaseException:
+            self.close()  # what was built before the error: learner ranks, engines, env workers, Ray
+            raise
 
     # -- validation -----------------------------------------------------------------------------------------
     @staticmethod
@@ -690,10 +694,13 @@ class Trainer:
         return {"updates": self.updates, "run_dir": str(self.run_dir), "interrupted": self._stop.is_set()}
 
     def close(self) -> None:
-        self.venv.close()
-        self.backend.close()
-        self.learner.close()
-        if self._ray_connected:
+        """Release the env workers, the backend, the learner (and its ranks) and a Ray connection this trainer
+        made; also what a build that failed part-way had started."""
+        for name in ("venv", "backend", "learner"):
+            part = getattr(self, name, None)
+            if part is not None:
+                part.close()
+        if getattr(self, "_ray_connected", False):
             import ray
 
             ray.shutdown()

@@ -489,3 +489,29 @@ def test_a_cpu_learner_on_a_machine_with_a_gpu_joins_over_gloo(monkeypatch: pyte
         assert rank.group.backend == "gloo"
     finally:
         rank.close()
+
+
+def test_a_trainer_whose_build_fails_leaves_no_learner_rank_behind(tmp_path: Path) -> None:
+    """A config error found after the ranks started (here: env arguments the env refuses) closes them: no rank
+    process outlives the failed ``Trainer``."""
+    import psutil
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    config = TrainConfig(
+        out=str(tmp_path / "run"),
+        init="base",
+        batch=4,
+        tasks=4,
+        env_workers="inprocess",
+        learner_ranks=2,
+        env_kwargs={"no_such_option": 1},
+    )
+    with pytest.raises(ConfigError, match=r"env_kwargs=.* do not fit the math_tir env"):
+        Trainer(config, progress=False)
+    started = [p for p in me.children(recursive=True) if p.pid not in before]
+    started = [
+        p for p in started if "resource_tracker" not in " ".join(p.cmdline())
+    ]  # lives with the process
+    _, alive = psutil.wait_procs(started, timeout=30)
+    assert not [(p, p.cmdline()) for p in alive if p.status() != psutil.STATUS_ZOMBIE]
