@@ -382,8 +382,10 @@ class Learner:
 
     def _row_logprobs(self, rows: Sequence[TrainingRow]) -> list[torch.Tensor]:
         """Log-probs of each row's action tokens under the current weights (flat, fp32, on CPU)."""
-        forwards = len(length_sorted_chunks(rows, self.config.micro_batch_tokens))
-        fillers = self._matching_forwards(forwards) - forwards
+        fillers = 0
+        if self.sharded:  # score_rows runs one forward per micro-batch
+            forwards = len(self._micro_batches(rows))
+            fillers = self._matching_forwards(forwards) - forwards
         out = score_rows(
             rows,
             lambda batch: self._forward(batch, with_entropy=False),
@@ -602,7 +604,8 @@ class Learner:
         """Trainable weights, optimizer and scheduler state, step count (``torch.save``-able). With FSDP every
         rank calls it at once and rank 0 gets the full (unsharded) state, the same a single rank would hold
         (the other ranks get ``{}``), so a checkpoint loads whatever the ranks and sharding of the next run."""
-        trainable = self._trainable_names()
+        names = self._trainable_names()  # the optimizer's order
+        trainable = set(names)
         if self.sharded:
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -616,7 +619,7 @@ class Learner:
             if not self._first_rank:
                 return {}
             if self.optimizer.state:
-                optimizer = optimizer_state_by_index(optimizer, trainable)
+                optimizer = optimizer_state_by_index(optimizer, names)
             return {
                 "weights": {k: v for k, v in weights.items() if k in trainable},
                 "optimizer": optimizer,
