@@ -96,6 +96,31 @@ def test_sft_improves_over_untrained_model() -> None:
     assert trained["success_rate"] >= 0.25, trained
 
 
+@pytest.mark.slow
+def test_alfworld_sft_improves_over_untrained_model() -> None:
+    # CI-sized, as above: the expert's episodes on 8 training games (TextWorld games, played through the agent's
+    # own rendering), 20 epochs from Math-TIR's checkpoint as the ALFWorld recipe starts; then greedy play of
+    # those 8 games within the env's 50-step limit. The untrained model never issues an admissible command. The
+    # full recipe's rates on eval_seen / eval_unseen are in docs/sft.md (benchmarks/bench_cold_start.py).
+    config = SFTConfig(
+        envs=("alfworld",),
+        init_from="math_tir",
+        max_expert_episodes=8,
+        epochs=20,
+        lr=5e-3,
+        context_weight=0.3,
+    )
+    path = sft_checkpoint(config)
+    report = json.loads((path / "streamrl_sft.json").read_text())
+    assert report["data"]["alfworld"]["episodes"] == 8 and report["final_loss"] < 0.3
+    greedy = SamplingParams(max_new_tokens=24, temperature=0.0)
+    trained = evaluate(HFBackend(path), "alfworld", "train", episodes=8, sampling=greedy, batch_size=8)
+    untrained = evaluate(HFBackend("tiny"), "alfworld", "train", episodes=8, sampling=greedy, batch_size=8)
+    assert untrained["success_rate"] == 0.0 and untrained["valid_action_rate"] < 0.05, untrained
+    assert trained["valid_action_rate"] > 0.4, trained
+    assert trained["success_rate"] >= 0.375, trained  # 3 of 8 games; 6 of 8 when measured
+
+
 # One process of the rebuild test: sets its own torch thread count (argv[1]), which the build must not depend on,
 # builds a small Math-TIR recipe (and the tiny base model) into the fresh $STREAMRL_CACHE, prints the paths.
 _REBUILD = """
