@@ -118,7 +118,8 @@ def test_alfworld_sft_improves_over_untrained_model() -> None:
     untrained = evaluate(HFBackend("tiny"), "alfworld", "train", episodes=8, sampling=greedy, batch_size=8)
     assert untrained["success_rate"] == 0.0 and untrained["valid_action_rate"] < 0.05, untrained
     assert trained["valid_action_rate"] > 0.4, trained
-    assert trained["success_rate"] >= 0.375, trained  # 3 of 8 games; measured: 6 of 8 (from the 3-epoch Math-TIR start), 5 of 8 (8-epoch)
+    # At least 3 of the 8 games; measured: 6 of 8 from the 3-epoch Math-TIR start, 5 of 8 from the 8-epoch one.
+    assert trained["success_rate"] >= 0.375, trained
 
 
 # One process of the rebuild test: sets its own torch thread count (argv[1]), which the build must not depend on,
