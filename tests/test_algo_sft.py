@@ -77,6 +77,20 @@ def test_model_selection_keeps_the_best_epoch(tokenizer) -> None:  # type: ignor
         SFTConfig(envs=("alfworld",), select_best_of=8)  # ALFWorld has no held-out generated tasks
 
 
+def _clone_and_play(config: SFTConfig, max_loss: float, max_new_tokens: int) -> tuple[dict, dict]:
+    """Build ``config`` (its one env's first ``max_expert_episodes`` training tasks), check it fit them, and play
+    those tasks greedily with the SFT'd model and with the untrained one: (trained, untrained) results."""
+    (env,), episodes = config.envs, config.max_expert_episodes
+    path = sft_checkpoint(config)
+    report = json.loads((path / "streamrl_sft.json").read_text())
+    assert report["data"][env]["episodes"] == episodes and report["final_loss"] < max_loss, report
+    greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    return tuple(  # type: ignore[return-value]
+        evaluate(HFBackend(model), env, "train", episodes=episodes, sampling=greedy, batch_size=episodes)
+        for model in (path, "tiny")
+    )
+
+
 @pytest.mark.slow
 def test_sft_improves_over_untrained_model() -> None:
     # CI-sized: 16 Math-TIR expert episodes (no synthetic ones), trained long enough to clone them; success is
@@ -85,12 +99,7 @@ def test_sft_improves_over_untrained_model() -> None:
     config = SFTConfig(
         envs=("math_tir",), max_expert_episodes=16, synthetic_episodes=0, epochs=30, batch_size=4, lr=5e-3
     )
-    path = sft_checkpoint(config)
-    report = json.loads((path / "streamrl_sft.json").read_text())
-    assert report["data"]["math_tir"]["episodes"] == 16 and report["final_loss"] < 0.5
-    greedy = SamplingParams(max_new_tokens=160, temperature=0.0)
-    trained = evaluate(HFBackend(path), "math_tir", "train", episodes=16, sampling=greedy, batch_size=16)
-    untrained = evaluate(HFBackend("tiny"), "math_tir", "train", episodes=16, sampling=greedy, batch_size=16)
+    trained, untrained = _clone_and_play(config, max_loss=0.5, max_new_tokens=160)
     assert untrained["success_rate"] == 0.0
     assert trained["valid_action_rate"] > untrained["valid_action_rate"] + 0.3
     assert trained["success_rate"] >= 0.25, trained
@@ -103,19 +112,9 @@ def test_alfworld_sft_improves_over_untrained_model() -> None:
     # those 8 games within the env's 50-step limit. The untrained model never issues an admissible command. The
     # full recipe's rates on eval_seen / eval_unseen are in docs/sft.md (benchmarks/bench_cold_start.py).
     config = SFTConfig(
-        envs=("alfworld",),
-        init_from="math_tir",
-        max_expert_episodes=8,
-        epochs=20,
-        lr=5e-3,
-        context_weight=0.3,
+        envs=("alfworld",), init_from="math_tir", max_expert_episodes=8, epochs=20, context_weight=0.3
     )
-    path = sft_checkpoint(config)
-    report = json.loads((path / "streamrl_sft.json").read_text())
-    assert report["data"]["alfworld"]["episodes"] == 8 and report["final_loss"] < 0.3
-    greedy = SamplingParams(max_new_tokens=24, temperature=0.0)
-    trained = evaluate(HFBackend(path), "alfworld", "train", episodes=8, sampling=greedy, batch_size=8)
-    untrained = evaluate(HFBackend("tiny"), "alfworld", "train", episodes=8, sampling=greedy, batch_size=8)
+    trained, untrained = _clone_and_play(config, max_loss=0.3, max_new_tokens=24)
     assert untrained["success_rate"] == 0.0 and untrained["valid_action_rate"] < 0.05, untrained
     assert trained["valid_action_rate"] > 0.4, trained
     # At least 3 of the 8 games; measured: 6 of 8 from the 3-epoch Math-TIR start, 5 of 8 from the 8-epoch one.
