@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from streamrl.agents.base import SamplingParams
+from streamrl.agents.env_specs import env_spec
 from streamrl.agents.hf_backend import HFBackend
 from streamrl.agents.models import load_tokenizer, resolve_model
 from streamrl.agents.teacher_forcing import expert_trajectories, sequences_of
@@ -77,18 +78,19 @@ def test_model_selection_keeps_the_best_epoch(tokenizer) -> None:  # type: ignor
         SFTConfig(envs=("alfworld",), select_best_of=8)  # ALFWorld has no held-out generated tasks
 
 
-def _clone_and_play(config: SFTConfig, max_loss: float, max_new_tokens: int) -> tuple[dict, dict]:
+def _clone_and_play(config: SFTConfig, max_loss: float) -> tuple[dict, dict]:
     """Build ``config`` (its one env's first ``max_expert_episodes`` training tasks), check it fit them, and play
     those tasks greedily with the SFT'd model and with the untrained one: (trained, untrained) results."""
     (env,), episodes = config.envs, config.max_expert_episodes
     path = sft_checkpoint(config)
     report = json.loads((path / "streamrl_sft.json").read_text())
     assert report["data"][env]["episodes"] == episodes and report["final_loss"] < max_loss, report
-    greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    return tuple(  # type: ignore[return-value]
-        evaluate(HFBackend(model), env, "train", episodes=episodes, sampling=greedy, batch_size=episodes)
-        for model in (path, "tiny")
+    greedy = SamplingParams(max_new_tokens=env_spec(env).max_new_tokens, temperature=0.0)
+    trained = evaluate(HFBackend(path), env, "train", episodes=episodes, sampling=greedy, batch_size=episodes)
+    untrained = evaluate(
+        HFBackend("tiny"), env, "train", episodes=episodes, sampling=greedy, batch_size=episodes
     )
+    return trained, untrained
 
 
 @pytest.mark.slow
@@ -99,7 +101,7 @@ def test_sft_improves_over_untrained_model() -> None:
     config = SFTConfig(
         envs=("math_tir",), max_expert_episodes=16, synthetic_episodes=0, epochs=30, batch_size=4, lr=5e-3
     )
-    trained, untrained = _clone_and_play(config, max_loss=0.5, max_new_tokens=160)
+    trained, untrained = _clone_and_play(config, max_loss=0.5)
     assert untrained["success_rate"] == 0.0
     assert trained["valid_action_rate"] > untrained["valid_action_rate"] + 0.3
     assert trained["success_rate"] >= 0.25, trained
@@ -114,7 +116,7 @@ def test_alfworld_sft_improves_over_untrained_model() -> None:
     config = SFTConfig(
         envs=("alfworld",), init_from="math_tir", max_expert_episodes=8, epochs=20, context_weight=0.3
     )
-    trained, untrained = _clone_and_play(config, max_loss=0.3, max_new_tokens=24)
+    trained, untrained = _clone_and_play(config, max_loss=0.3)
     assert untrained["success_rate"] == 0.0 and untrained["valid_action_rate"] < 0.05, untrained
     assert trained["valid_action_rate"] > 0.4, trained
     # At least 3 of the 8 games; measured: 6 of 8 (5 of 8 from the 8-epoch Math-TIR lever, docs/sft.md).
