@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from streamrl.agents.base import EpisodeId
-from streamrl.envs.alfworld_text import task_goal
+from streamrl.envs.alfworld_text import go_to_frontier, task_goal
 
 __all__ = ["ALFWorldExpertAgent", "ALFWorldRandomAgent", "ALFWorldSearchAgent", "ALFWorldTask"]
 
@@ -177,7 +177,10 @@ class ALFWorldSearchAgent:
     7. Search on: with ``search="room_order"`` (default), go to the receptacle after ``R`` in the order the
        room description lists them (wrapping; the first one from the middle of the room); with
        ``search="random"``, go to a uniformly random receptacle other than ``R`` (the agent's own seeded
-       generator) -- memoryless, so a policy can imitate it without finding ``R`` in the room description.
+       generator) -- memoryless, so a policy can imitate it without finding ``R`` in the room description;
+       with ``search="frontier"``, go to the first receptacle not visited yet, in the order the admissible
+       commands list them (``streamrl.envs.alfworld_text.go_to_frontier`` of ``info["visited"]``), which
+       ``ALFWorldPrompt(list_go_to="frontier")`` shows the policy: the search step is a copy of its first line.
 
     Measured on the generated splits (``streamrl.envs.alfworld_gen``), without the walkthrough: it wins all
     256 games within 100 steps (mean 26 / 25 / 20 steps on train / eval_seen / eval_unseen), and 111/128,
@@ -185,7 +188,7 @@ class ALFWorldSearchAgent:
     search wins 59 of the first 64 training games within 50 steps (22.7 steps an episode on average).
     """
 
-    SEARCHES = ("room_order", "random")
+    SEARCHES = ("room_order", "random", "frontier")
 
     def __init__(self, search: str = "room_order", seed: int | None = None) -> None:
         if search not in self.SEARCHES:
@@ -208,7 +211,8 @@ class ALFWorldSearchAgent:
             commands = [str(c) for c in info.get("admissible_commands") or []]
             if not commands:
                 raise ValueError(f"episode {eid!r}: info has no admissible_commands")
-            actions.append(self.decide(task, receptacles, obs, commands, rng=self._rng))
+            visited = [str(r) for r in info.get("visited") or []] if self.search == "frontier" else None
+            actions.append(self.decide(task, receptacles, obs, commands, rng=self._rng, visited=visited))
         return actions
 
     @staticmethod
@@ -230,9 +234,11 @@ class ALFWorldSearchAgent:
         observation: str,
         commands: Sequence[str],
         rng: random.Random | None = None,
+        visited: Sequence[str] | None = None,
     ) -> str:
         """The action for one state (rules in the class doc); ``receptacles`` in room-description order.
-        Search steps follow that order, or go to a random other receptacle when ``rng`` is given."""
+        Search steps follow that order, or go to a random other receptacle when ``rng`` is given, or to the
+        first of ``go_to_frontier(commands, visited)`` when ``visited`` is given (``info["visited"]``)."""
         admissible = set(commands)
         known = set(receptacles)
         examined = [c[len("examine ") :] for c in commands if c.startswith("examine ")]
@@ -241,6 +247,9 @@ class ALFWorldSearchAgent:
         obs = observation.strip()
 
         def go_next() -> str:
+            frontier = go_to_frontier(commands, visited) if visited is not None else []
+            if frontier:
+                return frontier[0]
             if rng is not None:
                 return f"go to {rng.choice([r for r in receptacles if r != here] or list(receptacles))}"
             i = receptacles.index(here) + 1 if here in known else 0

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
-from streamrl.envs.alfworld_text import task_goal
+from streamrl.envs.alfworld_text import go_to_frontier, task_goal
 from streamrl.envs.math_tir import parse_turn
 
 
@@ -64,14 +64,21 @@ class ALFWorldPrompt:
     """Stop at the end of the first line: an action is one command."""
     list_admissible: bool = True
     """Show ``info["admissible_commands"]`` in every user message (verl-agent's ALFWorld prompt does)."""
-    list_go_to: bool = True
+    list_go_to: bool | Literal["frontier"] = True
     """With ``list_admissible``, also list the ``go to ...`` commands; ``False`` leaves them out (the room
-    description of the first observation names every receptacle already), ~200 tokens less per turn."""
+    description of the first observation names every receptacle already), ~200 tokens less per turn;
+    ``"frontier"`` lists, after the other commands and under ``Left to search:``, only the receptacles left to
+    search (``streamrl.envs.alfworld_text.go_to_frontier`` of ``info["visited"]``), next first: the agent's
+    memory of where it has been, so that searching on is copying the first line of that list."""
     one_command_per_line: bool = False
     """List the admissible commands one per line instead of comma-separated. A command at the start of a line
     is tokenized exactly as the action the model writes (``take`` at the start of a reply is not the `` take``
     of a comma-separated list in byte-level BPE), so a small model can copy a listed command token by token
     (an induction head: find the token just written earlier in the context, copy what followed)."""
+
+    def __post_init__(self) -> None:
+        if self.list_go_to not in (True, False, "frontier"):
+            raise ValueError(f"list_go_to must be True, False or 'frontier', got {self.list_go_to!r}")
 
     def system_prompt(self, first_observation: str, info: Mapping[str, Any]) -> str:
         goal = task_goal(first_observation)
@@ -83,14 +90,20 @@ class ALFWorldPrompt:
 
     def user_message(self, observation: str, info: Mapping[str, Any], turn: int) -> str:
         text = observation.strip()
-        commands = info.get("admissible_commands") or []
-        if not self.list_go_to:
-            commands = [c for c in commands if not str(c).startswith("go to ")]
-        if self.list_admissible and commands:
-            if self.one_command_per_line:
-                text += "\nAdmissible commands:\n" + "\n".join(str(c) for c in commands)
-            else:
-                text += "\nAdmissible commands: " + ", ".join(str(c) for c in commands)
+        if not self.list_admissible:
+            return text
+        listed = [str(c) for c in info.get("admissible_commands") or []]
+        commands = listed if self.list_go_to is True else [c for c in listed if not c.startswith("go to ")]
+        blocks = [("Admissible commands", commands)]
+        if self.list_go_to == "frontier":
+            blocks.append(
+                ("Left to search", go_to_frontier(listed, [str(r) for r in info.get("visited") or []]))
+            )
+        for title, lines in blocks:
+            if lines:
+                text += f"\n{title}:" + (
+                    "\n" + "\n".join(lines) if self.one_command_per_line else " " + ", ".join(lines)
+                )
         return text
 
     def parse_action(self, text: str, info: Mapping[str, Any]) -> ParsedAction:

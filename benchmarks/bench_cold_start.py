@@ -20,6 +20,12 @@ check that the same recipes rebuilt the same weights.
     python benchmarks/bench_cold_start.py                       # 3 seeds x 2 envs -> results/cold_start.json
     STREAMRL_CACHE=$(mktemp -d) python benchmarks/bench_cold_start.py --compare benchmarks/results/cold_start.json
 
+Seeds can be built in parallel processes, each with its own ``--seeds`` and ``--output``; ``--merge`` then
+summarizes their checkpoints in one file, building and playing nothing::
+
+    python benchmarks/bench_cold_start.py --envs alfworld --seeds 0 --output /tmp/s0.json &   # and so on
+    python benchmarks/bench_cold_start.py --merge /tmp/s0.json /tmp/s1.json /tmp/s2.json --output ...
+
 ``--set KEY=VALUE`` overrides a recipe field for every env (JSON values; ``none`` for ``None``): for smoke runs of
 this script, never for the reported numbers.
 """
@@ -243,6 +249,31 @@ def compare(entries: Sequence[Mapping[str, Any]], earlier: Path) -> list[dict[st
     ]
 
 
+def merge(files: Sequence[Path], output: Path) -> None:
+    """One result file from several (the seeds of one recipe built in parallel processes): their checkpoints,
+    summarized together; the runs must agree on the overrides and must not hold the same (env, seed) twice."""
+    runs = [json.loads(f.read_text()) for f in files]
+    if len({json.dumps(r["overrides"], sort_keys=True) for r in runs}) > 1:
+        raise SystemExit(
+            f"--merge: the files were run with different --set overrides: {[str(f) for f in files]}"
+        )
+    entries = [e for r in runs for e in r["checkpoints"]]
+    pairs = [(e["env"], e["seed"]) for e in entries]
+    if len(set(pairs)) != len(pairs):
+        raise SystemExit(f"--merge: an (env, seed) appears twice in {[str(f) for f in files]}: {pairs}")
+    result = {
+        "command": [r["command"] for r in runs],
+        "overrides": runs[0]["overrides"],
+        "platform": runs[0]["platform"],
+        "wall_s": [r["wall_s"] for r in runs],
+        "summary": summarize(entries),
+        "checkpoints": entries,
+    }
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=2))
+    print(json.dumps({"summary": result["summary"]}, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -265,8 +296,17 @@ def main() -> None:
     parser.add_argument(
         "--compare", type=Path, help="an earlier result file: did the same recipes rebuild the same weights?"
     )
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        help="result files (one per process): summarize them together, build nothing",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS / "cold_start.json")
     args = parser.parse_args()
+    if args.merge:
+        merge(args.merge, args.output)
+        return
     overrides = {}
     for item in args.set:
         key, sep, value = item.partition("=")

@@ -162,7 +162,10 @@ class ALFWorldEnv(TextEnv):
     env's ``np_random``. ``step(command)``: reward 1.0 and ``terminated`` on a win, otherwise 0.0; an
     inadmissible command returns "Nothing happens." and counts as a step. ``info``: ``task_id``,
     ``task_type``, ``won``, ``admissible_commands``, ``action_valid``, ``walkthrough``, ``gamefile``,
-    ``steps``.
+    ``steps``, ``visited`` (the receptacles the agent has walked to this episode with an admissible ``go to``,
+    least recently arrived at first, so the last is where it stands: what an agent that remembers its own moves
+    knows, kept by the env so that a prompt can show it without per-episode agent state;
+    ``alfworld_text.go_to_frontier`` turns it into the receptacles left to search).
     """
 
     metadata = {"render_modes": ["ansi"]}  # noqa: RUF012 (gymnasium declares it as a plain attribute)
@@ -213,6 +216,7 @@ class ALFWorldEnv(TextEnv):
         self._meta: dict[str, Any] = {}
         self._admissible: list[str] = []
         self._steps = 0
+        self._visited: list[str] = []
         self._last_obs = ""
 
     @staticmethod
@@ -251,7 +255,7 @@ class ALFWorldEnv(TextEnv):
         obs, self._admissible, won = self._engine.reset()
         if self.planner_walkthrough and not self._meta["walkthrough"]:
             self._meta["walkthrough"] = self._engine.plan()
-        self._steps, self._last_obs = 0, obs
+        self._steps, self._last_obs, self._visited = 0, obs, []
         return obs, self._info(task_id, won, action_valid=True)
 
     def _step_task(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
@@ -260,6 +264,9 @@ class ALFWorldEnv(TextEnv):
             raise TypeError(f"action must be a str command, got {type(action).__name__}: {action!r}")
         valid = action.strip() in self._admissible
         obs, self._admissible, won = self._engine.step(action)
+        if valid and action.strip().startswith("go to "):
+            target = action.strip()[len("go to ") :]
+            self._visited = [r for r in self._visited if r != target] + [target]
         self._steps += 1
         terminated = won
         truncated = not terminated and self._steps >= self.max_steps
@@ -277,6 +284,7 @@ class ALFWorldEnv(TextEnv):
             "walkthrough": list(self._meta["walkthrough"]),
             "gamefile": self._meta["gamefile"],
             "steps": self._steps,
+            "visited": list(self._visited),
         }
 
     def render(self) -> str | None:  # type: ignore[override]

@@ -18,6 +18,7 @@ from streamrl.agents.prompts import ALFWorldPrompt, MathTIRPrompt
 from streamrl.agents.random_agent import RandomTextAgent
 from streamrl.agents.rollout import play_episode
 from streamrl.agents.trajectory import Trajectory, TurnRecord
+from streamrl.envs.alfworld_text import go_to_frontier
 from streamrl.envs.math_answer import extract_boxed
 
 
@@ -196,6 +197,33 @@ def test_alfworld_commands_one_per_line_tokenize_like_replies(tiny: HFBackend) -
     )
     reply = tok.encode(commands[1], add_special_tokens=False)
     assert not any(flat[i : i + len(reply)] == reply for i in range(len(flat)))
+
+
+def test_alfworld_frontier_lists_the_receptacles_left_to_search_next_first() -> None:
+    commands = ["examine drawer 1", "go to cabinet 1", "go to drawer 1", "go to fridge 1", "open drawer 1"]
+    assert go_to_frontier(commands, []) == ["go to cabinet 1", "go to drawer 1", "go to fridge 1"]
+    assert go_to_frontier(commands, ["drawer 1"]) == ["go to cabinet 1", "go to fridge 1"]
+    # Every receptacle visited: the search starts over, least recently visited first, never where it stands.
+    assert go_to_frontier(commands, ["fridge 1", "cabinet 1", "drawer 1"]) == [
+        "go to fridge 1",
+        "go to cabinet 1",
+    ]
+    assert go_to_frontier(["look"], ["drawer 1"]) == []
+    info = {"admissible_commands": commands, "visited": ["drawer 1"]}
+    text = ALFWorldPrompt(list_go_to="frontier", one_command_per_line=True).user_message(
+        "You arrive.", info, 1
+    )
+    assert text == (
+        "You arrive.\nAdmissible commands:\nexamine drawer 1\nopen drawer 1\n"
+        "Left to search:\ngo to cabinet 1\ngo to fridge 1"
+    )
+    assert (
+        ALFWorldPrompt(list_go_to="frontier")
+        .user_message("Hi.", info, 1)
+        .endswith("Left to search: go to cabinet 1, go to fridge 1")
+    )
+    with pytest.raises(ValueError, match="list_go_to must be True, False or 'frontier'"):
+        ALFWorldPrompt(list_go_to="unvisited")  # type: ignore[arg-type]
 
 
 @settings(max_examples=200, deadline=None)

@@ -78,6 +78,25 @@ def test_random_search_wins_too() -> None:
         ALFWorldSearchAgent(search="spiral")
 
 
+def test_frontier_search_wins_by_taking_the_first_receptacle_left_to_search() -> None:
+    # The SFT expert: its search step is the first line of the prompt's "Left to search" list (receptacles not
+    # visited yet, in the admissible commands' order). Measured: 113/128 training games within 50 steps, as
+    # many as the room-order search (111/128).
+    env = ALFWorldEnv(split="train", max_steps=50)
+    try:
+        results = [_play(env, t, search="frontier") for t in env.task_ids[:16]]
+    finally:
+        env.close()
+    assert sum(won for won, _ in results) >= 13, results
+    rooms = ["cabinet 2", "cabinet 1", "fridge 1", "sinkbasin 1"]
+    go = [f"go to {r}" for r in sorted(rooms)]
+    task = ALFWorldTask("heat", "apple", "fridge")
+    assert ALFWorldSearchAgent.decide(task, rooms, "You arrive.", go, visited=[]) == "go to cabinet 1"
+    here = ["examine cabinet 1", *go]
+    step = ALFWorldSearchAgent.decide(task, rooms, "You arrive.", here, visited=["cabinet 1"])
+    assert step == "go to cabinet 2"  # the room description's order would go to fridge 1
+
+
 @pytest.mark.parametrize(
     ("text", "task"),
     [

@@ -76,12 +76,24 @@ def test_episode_rules(env: ALFWorldEnv) -> None:
     assert (obs, reward, terminated, truncated) == ("Nothing happens.", 0.0, False, False)
     assert not info["action_valid"] and info["steps"] == 1 and info["admissible_commands"] == admissible
 
-    # The walkthrough wins on its last command with reward 1.0; nothing before that is rewarded.
+    # The walkthrough wins on its last command with reward 1.0; nothing before that is rewarded. Each admissible
+    # "go to" moves its receptacle to the end of "visited" (least recently arrived at first).
     walkthrough = info["walkthrough"]
+    assert info["visited"] == [] and any(c.startswith("go to ") for c in walkthrough)
+    visited: list[str] = []
     for k, command in enumerate(walkthrough):
         obs, reward, terminated, truncated, info = env.step(command)
         assert info["action_valid"] and info["won"] == terminated == (k == len(walkthrough) - 1)
         assert reward == (1.0 if terminated else 0.0) and not truncated
+        if command.startswith("go to "):
+            visited = [r for r in visited if r != command[6:]] + [command[6:]]
+        assert info["visited"] == visited
+    # An inadmissible "go to" moves nowhere and is not a visit; going back moves a receptacle to the end.
+    info = env.reset(options={"task_id": task_id})[1]
+    first, other = [c[6:] for c in info["admissible_commands"] if c.startswith("go to ")][:2]
+    for command in (f"go to {first}", "go to the moon", f"go to {other}", f"go to {first}"):
+        info = env.step(command)[4]
+    assert info["visited"] == [other, first]
     with pytest.raises(RuntimeError, match="call reset"):
         env.step("look")
 
