@@ -60,7 +60,7 @@ class EnvSpec:
 def _alfworld_expert(env: Any) -> Agent:
     from streamrl.agents.alfworld_agents import ALFWorldSearchAgent
 
-    return ALFWorldSearchAgent(search="frontier")
+    return ALFWorldSearchAgent()
 
 
 def _alfworld_random_action(info: Mapping[str, Any], rng: random.Random) -> str:
@@ -130,16 +130,14 @@ ENV_SPECS: dict[str, EnvSpec] = {
         gym_id="streamrl/ALFWorld-v0",
         train_split="train",
         eval_splits=("eval_seen", "eval_unseen"),
-        # The expert (ALFWorldSearchAgent) decides from the task (in the first observation, which a window
-        # always keeps), the current observation, the admissible commands and the receptacles not visited yet,
-        # so the policy sees exactly that: a window of one past turn, the admissible commands one per line (a
-        # listed command is the same token string as the reply that issues it), and instead of all ~25 "go to"
-        # commands only those left to search, next first: the expert's search step is a copy of that list's
-        # first line. Searching in the room description's order instead (find the current receptacle there,
-        # name the next) was right on about half of the teacher-forced "go to" turns (docs/sft.md). Measured
-        # with the omniscient walkthrough expert (its moves cannot be inferred from the observations): 0%
-        # success in every variant (full history or window, with or without the list, 6-20 epochs).
-        prompt=lambda: ALFWorldPrompt(list_admissible=True, list_go_to="frontier", one_command_per_line=True),
+        # The expert (ALFWorldSearchAgent) decides from the task, the room description (both in the first
+        # observation, which a window always keeps), the current observation and the admissible commands, so
+        # the policy sees exactly that: a window of one past turn, and the admissible commands without the
+        # ~25 "go to" ones (the room description names every receptacle), one per line so that a listed
+        # command is the same token string as the reply that issues it (~320 tokens a turn). Measured with
+        # the omniscient walkthrough expert instead (its moves cannot be inferred from the observations):
+        # 0% success in every variant (full history or window, with or without the list, 6-20 epochs).
+        prompt=lambda: ALFWorldPrompt(list_admissible=True, list_go_to=False, one_command_per_line=True),
         context=ContextPolicy(mode="window", window_turns=1, max_context_tokens=1024),
         max_new_tokens=24,
         expert=_alfworld_expert,

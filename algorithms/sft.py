@@ -45,10 +45,6 @@ from streamrl.algorithms.losses import sft_loss
 from streamrl.envs.cache import cache_root
 
 _RECIPE = 4  # bump when the data rendering or training loop changes
-_RENDERING = {"alfworld": 2}
-"""Per env, the version of its expert data's rendering (prompt, expert), in the key of every recipe that trains
-on that env; bump it when only that env's data changes, so that the other envs' checkpoints (a shipped one
-too) keep their keys. ALFWorld 2: the search expert follows the ``Left to search`` list the prompt shows."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -218,14 +214,12 @@ class SFTConfig:
         config = asdict(self)
         if config["threads"] == 1:
             del config["threads"]  # checkpoints built before the field (all on 1 thread) keep their keys
-        rendering = {env: _RENDERING[env] for env in self.envs if env in _RENDERING}
         blob = json.dumps(
             {
                 "config": config,
                 "model_dir": model_key,
                 "recipe": _RECIPE,
                 "start": start.key() if start is not None else None,
-                **({"rendering": rendering} if rendering else {}),
             },
             sort_keys=True,
         )

@@ -88,14 +88,14 @@ def test_episode_rules(env: ALFWorldEnv) -> None:
         if command.startswith("go to "):
             visited = [r for r in visited if r != command[6:]] + [command[6:]]
         assert info["visited"] == visited
+    with pytest.raises(RuntimeError, match="call reset"):
+        env.step("look")
     # An inadmissible "go to" moves nowhere and is not a visit; going back moves a receptacle to the end.
     info = env.reset(options={"task_id": task_id})[1]
     first, other = [c[6:] for c in info["admissible_commands"] if c.startswith("go to ")][:2]
     for command in (f"go to {first}", "go to the moon", f"go to {other}", f"go to {first}"):
         info = env.step(command)[4]
     assert info["visited"] == [other, first]
-    with pytest.raises(RuntimeError, match="call reset"):
-        env.step("look")
 
     # Truncation at max_steps (configurable), not termination.
     short = ALFWorldEnv(split="eval_unseen", max_steps=3)

@@ -51,7 +51,7 @@ def test_preset_cache_keys_are_pinned() -> None:
     # Cached checkpoints are found by these keys (and the model they start from): a change to a preset, to a
     # field's default or to the data and training code (``_RECIPE``) must be deliberate, and update them here.
     assert SFTConfig.math_tir().key() == "732c15efd455"
-    assert SFTConfig.alfworld().key() == "b897473fc8ca"  # rendering 2: the "Left to search" list
+    assert SFTConfig.alfworld().key() == "ed35fc86e5d6"
     assert SFTConfig.math_tir(seed=1).key() == "159166c0a131"
     assert SFTConfig.math_tir(threads=2).key() == "1db83c3b2968"  # 2 threads train other weights
 
