@@ -262,10 +262,11 @@ class ALFWorldEnv(TextEnv):
         assert self._engine is not None and self._task_id is not None
         if not isinstance(action, str):
             raise TypeError(f"action must be a str command, got {type(action).__name__}: {action!r}")
-        valid = action.strip() in self._admissible
+        command = action.strip()
+        valid = command in self._admissible
         obs, self._admissible, won = self._engine.step(action)
-        if valid and action.strip().startswith("go to "):
-            target = action.strip()[len("go to ") :]
+        if valid and command.startswith("go to "):
+            target = command[len("go to ") :]
             self._visited = [r for r in self._visited if r != target] + [target]
         self._steps += 1
         terminated = won
