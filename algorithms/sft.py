@@ -29,7 +29,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +115,16 @@ class SFTConfig:
     problem by chance but never a test one) and keep the weights of the best epoch; 0 keeps the last epoch.
     On ``tiny`` the epoch at which copying numbers clicks, and whether later epochs undo it, varies with the
     seed."""
+    restarts: int = 0
+    """Model selection across training runs: when a run's best validation (``select_best_of``) stays below
+    ``restart_below``, train again with another seed, up to this many more times. Attempt ``k`` is this recipe
+    with seed ``seed + 1000 k`` (``RESTART_SEED_STRIDE``) and no restarts -- a checkpoint of its own, cached
+    under its own key and validated on tasks drawn with its own seed -- and the first attempt that reaches
+    ``restart_below`` is kept, else the best one. On ``tiny`` whether copying numbers clicks within the schedule depends on the
+    seed (docs/sft.md): a run that stalls stays far behind the others to its last epoch (validation and loss),
+    so a longer schedule does not rescue it, while another draw of data and batch order can click."""
+    restart_below: float = 0.0
+    """The validation success (0-1) a training run must reach for no restart to follow (``restarts``)."""
     threads: int = 1
     """torch threads while building the checkpoint (expert data, training, model selection); the build sets
     them and restores the caller's count after. Pinned because CPU float reductions split their work by thread
@@ -143,6 +153,15 @@ class SFTConfig:
             )
         if self.select_best_of < 0:
             raise ValueError(f"select_best_of must be >= 0, got {self.select_best_of}")
+        if not isinstance(self.restarts, int) or self.restarts < 0:
+            raise ValueError(f"restarts must be an int >= 0, got {self.restarts!r}")
+        if not 0.0 <= self.restart_below <= 1.0:
+            raise ValueError(f"restart_below must be a success rate in [0, 1], got {self.restart_below!r}")
+        if self.restarts and not (self.select_best_of and self.restart_below > 0.0):
+            raise ValueError(
+                f"restarts={self.restarts} needs a validation to judge a run by: select_best_of > 0 and "
+                f"restart_below > 0 (got select_best_of={self.select_best_of}, restart_below={self.restart_below})"
+            )
         no_held_out = [n for n in self.envs if env_spec(n).held_out_tasks is None]
         if self.select_best_of and no_held_out:
             raise ValueError(
@@ -214,6 +233,8 @@ class SFTConfig:
         config = asdict(self)
         if config["threads"] == 1:
             del config["threads"]  # checkpoints built before the field (all on 1 thread) keep their keys
+        if not config["restarts"]:
+            del config["restarts"], config["restart_below"]  # so do those built before restarts
         blob = json.dumps(
             {
                 "config": config,
@@ -336,6 +357,9 @@ def sft_checkpoint(config: SFTConfig | str, log: Callable[[str], None] = print, 
                     shutil.copyfile(f, out / f.name)
             log(f"SFT checkpoint {target.name}: the shipped copy ({src}, sha256 checked)")
             return
+        if config.restarts:
+            _keep_an_attempt(out, config, log, shipped)
+            return
         start = config.start()  # the checkpoint to start from is built (or found) first, under its own lock
         start_dir = None if start is None else sft_checkpoint(start, log)
         threads = torch.get_num_threads()
@@ -346,6 +370,65 @@ def sft_checkpoint(config: SFTConfig | str, log: Callable[[str], None] = print, 
             torch.set_num_threads(threads)
 
     return build_once(target, build)
+
+
+RESTART_SEED_STRIDE = 1000
+"""Attempt ``k`` of a recipe with restarts trains seed ``seed + RESTART_SEED_STRIDE * k`` (``SFTConfig.restarts``)."""
+
+
+def restart_attempts(config: SFTConfig) -> list[SFTConfig]:
+    """The training runs a recipe with restarts may try, in order: itself with seed ``seed + 1000 k`` and no
+    restarts, for ``k = 0 .. restarts`` (attempt 0 is the recipe's plain run)."""
+    return [
+        replace(config, seed=config.seed + RESTART_SEED_STRIDE * k, restarts=0, restart_below=0.0)
+        for k in range(config.restarts + 1)
+    ]
+
+
+def _keep_an_attempt(out: Path, config: SFTConfig, log: Callable[[str], None], shipped: bool) -> None:
+    """Build (or find) ``config``'s attempts in order until one's best validation reaches ``restart_below``; copy
+    that one (else the best) into ``out``, its report extended with ``restarts``: every attempt tried, its seed,
+    key, best validation, weights' sha256 and build times (what the recipe cost), and which was kept."""
+    tried: list[dict[str, Any]] = []
+    for attempt in restart_attempts(config):
+        path = sft_checkpoint(attempt, log, shipped=shipped)
+        report = json.loads((path / "streamrl_sft.json").read_text())
+        best = max(report["validation_by_epoch"])
+        tried.append(
+            {
+                "seed": attempt.seed,
+                "key": attempt.key(),
+                "best_validation": best,
+                "path": path,
+                "report": report,
+            }
+        )
+        log(f"attempt {len(tried) - 1} (seed {attempt.seed}): best validation {best:.3f}")
+        if best >= config.restart_below:
+            break
+    kept = max(range(len(tried)), key=lambda i: (tried[i]["best_validation"], -i))  # the earliest among ties
+    for f in sorted(tried[kept]["path"].iterdir()):
+        if f.is_file() and f.name != "streamrl_sft.json":
+            shutil.copyfile(f, out / f.name)
+    report = {
+        **tried[kept]["report"],
+        "config": asdict(config),
+        "restarts": {
+            "kept": kept,
+            "attempts": [
+                {
+                    "seed": t["seed"],
+                    "key": t["key"],
+                    "best_validation": t["best_validation"],
+                    "weights_sha256": t["report"]["weights_sha256"],
+                    "collect_s": sum(d["collect_s"] for d in t["report"]["data"].values()),
+                    "train_s": t["report"]["train_s"],
+                }
+                for t in tried
+            ],
+        },
+    }
+    (out / "streamrl_sft.json").write_text(json.dumps(report, indent=2, sort_keys=True))
 
 
 def _build_checkpoint(

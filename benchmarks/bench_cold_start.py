@@ -164,6 +164,8 @@ def checkpoint_entry(
         "build_s": build_s,
         "collect_s": sum(d["collect_s"] for d in report["data"].values()),
         "train_s": report["train_s"],
+        # a recipe with restarts: every training run tried (the kept one's times are collect_s and train_s)
+        "restarts": report.get("restarts"),
         "data": report["data"],
         "weights_sha256": report.get("weights_sha256"),
         "sha256_verified": report.get("weights_sha256") == weights_sha256(path),

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,12 @@ def test_preset_cache_keys_are_pinned() -> None:
     assert SFTConfig.alfworld().key() == "ed35fc86e5d6"
     assert SFTConfig.math_tir(seed=1).key() == "159166c0a131"
     assert SFTConfig.math_tir(threads=2).key() == "1db83c3b2968"  # 2 threads train other weights
+    # a recipe with restarts: its first training run is a plain checkpoint of its own (restarts enter no key when
+    # there are none), here the 12-epoch lever's seed-0 run measured in docs/sft.md
+    lever = SFTConfig.math_tir(epochs=12, select_best_of=100, restarts=2, restart_below=0.4)
+    first = sft_module.restart_attempts(lever)[0]
+    assert first.key() == SFTConfig.math_tir(epochs=12, select_best_of=100).key() == "fe531e048aa5"
+    assert [a.seed for a in sft_module.restart_attempts(replace(lever, seed=2))] == [2, 1002, 2002]
 
 
 def test_model_selection_keeps_the_best_epoch(tokenizer) -> None:  # type: ignore[no-untyped-def]
@@ -76,6 +83,40 @@ def test_model_selection_keeps_the_best_epoch(tokenizer) -> None:  # type: ignor
     assert all(torch.equal(final[k], snapshots[1][k]) for k in final)
     with pytest.raises(ValueError, match="select_best_of"):
         SFTConfig(envs=("alfworld",), select_best_of=8)  # ALFWorld has no held-out generated tasks
+
+
+def test_restarts_keep_the_first_attempt_that_validates_else_the_best(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each attempt is a real (small) build; only its validation score is scripted, by the attempt's seed.
+    monkeypatch.setattr(sft_module, "cache_root", lambda: tmp_path)
+    best_by_seed = {0: 0.1, 1000: 0.3, 2000: 0.2}
+
+    def scripted(config: SFTConfig, tokenizer: object, scores: list[float]):  # type: ignore[no-untyped-def]
+        def validate(model: object) -> float:
+            scores.append(best_by_seed[config.seed])
+            return scores[-1]
+
+        return validate
+
+    monkeypatch.setattr(sft_module, "_validator", scripted)
+    small = dict(
+        max_expert_episodes=4, synthetic_episodes=4, epochs=1, batch_size=4, select_best_of=1, restarts=0
+    )
+    quiet = lambda _: None  # noqa: E731
+    path = sft_checkpoint(SFTConfig.math_tir(**{**small, "restarts": 2, "restart_below": 0.5}), log=quiet)
+    restarts = json.loads((path / "streamrl_sft.json").read_text())["restarts"]
+    assert [a["seed"] for a in restarts["attempts"]] == [0, 1000, 2000]  # none reached 0.5: all were tried
+    assert restarts["kept"] == 1  # ... and the best was kept
+    attempts = [sft_checkpoint(SFTConfig.math_tir(**small, seed=s), log=quiet) for s in (0, 1000)]
+    assert [a["key"] for a in restarts["attempts"][:2]] == [p.name.rsplit("-", 1)[1] for p in attempts]
+    assert weights_sha256(path) == weights_sha256(attempts[1]) != weights_sha256(attempts[0])
+    # the first attempt that reaches the bar ends the search (attempts 0 and 1 are cached by now)
+    path = sft_checkpoint(SFTConfig.math_tir(**{**small, "restarts": 2, "restart_below": 0.25}), log=quiet)
+    restarts = json.loads((path / "streamrl_sft.json").read_text())["restarts"]
+    assert [a["seed"] for a in restarts["attempts"]] == [0, 1000] and restarts["kept"] == 1
+    with pytest.raises(ValueError, match="restarts=1 needs a validation"):
+        SFTConfig.math_tir(restarts=1, restart_below=0.3)  # no select_best_of: nothing to judge a run by
 
 
 def _clone_and_play(config: SFTConfig, max_loss: float) -> tuple[dict, dict]:
