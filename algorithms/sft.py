@@ -120,9 +120,10 @@ class SFTConfig:
     ``restart_below``, train again with another seed, up to this many more times. Attempt ``k`` is this recipe
     with seed ``seed + 1000 k`` (``RESTART_SEED_STRIDE``) and no restarts -- a checkpoint of its own, cached
     under its own key and validated on tasks drawn with its own seed -- and the first attempt that reaches
-    ``restart_below`` is kept, else the best one. On ``tiny`` whether copying numbers clicks within the schedule depends on the
-    seed (docs/sft.md): a run that stalls stays far behind the others to its last epoch (validation and loss),
-    so a longer schedule does not rescue it, while another draw of data and batch order can click."""
+    ``restart_below`` is kept, else the best one. On ``tiny`` whether copying numbers clicks within the
+    schedule depends on the seed (docs/sft.md): a run that stalls stays far behind the others to its last
+    epoch (validation and loss), so a longer schedule does not rescue it, while another draw of data and batch
+    order can click."""
     restart_below: float = 0.0
     """The validation success (0-1) a training run must reach for no restart to follow (``restarts``)."""
     threads: int = 1
