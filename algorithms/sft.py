@@ -353,9 +353,7 @@ def sft_checkpoint(config: SFTConfig | str, log: Callable[[str], None] = print, 
     def build(out: Path) -> None:
         src = shipped_checkpoint(target.name) if shipped else None
         if src is not None:
-            for f in sorted(src.iterdir()):
-                if f.name != "SHA256SUMS":
-                    shutil.copyfile(f, out / f.name)
+            _copy_files(src, out, skip="SHA256SUMS")
             log(f"SFT checkpoint {target.name}: the shipped copy ({src}, sha256 checked)")
             return
         if config.restarts:
@@ -386,46 +384,44 @@ def restart_attempts(config: SFTConfig) -> list[SFTConfig]:
     ]
 
 
+def _copy_files(src: Path, out: Path, skip: str) -> None:
+    """Copy the files of checkpoint directory ``src`` into ``out``, all but the one named ``skip``."""
+    for f in sorted(src.iterdir()):
+        if f.is_file() and f.name != skip:
+            shutil.copyfile(f, out / f.name)
+
+
 def _keep_an_attempt(out: Path, config: SFTConfig, log: Callable[[str], None], shipped: bool) -> None:
     """Build (or find) ``config``'s attempts in order until one's best validation reaches ``restart_below``; copy
     that one (else the best) into ``out``, its report extended with ``restarts``: every attempt tried, its seed,
     key, best validation, weights' sha256 and build times (what the recipe cost), and which was kept."""
-    tried: list[dict[str, Any]] = []
+    tried: list[tuple[SFTConfig, Path, dict[str, Any]]] = []  # (attempt, its checkpoint, its report)
     for attempt in restart_attempts(config):
         path = sft_checkpoint(attempt, log, shipped=shipped)
         report = json.loads((path / "streamrl_sft.json").read_text())
+        tried.append((attempt, path, report))
         best = max(report["validation_by_epoch"])
-        tried.append(
-            {
-                "seed": attempt.seed,
-                "key": attempt.key(),
-                "best_validation": best,
-                "path": path,
-                "report": report,
-            }
-        )
         log(f"attempt {len(tried) - 1} (seed {attempt.seed}): best validation {best:.3f}")
         if best >= config.restart_below:
             break
-    kept = max(range(len(tried)), key=lambda i: (tried[i]["best_validation"], -i))  # the earliest among ties
-    for f in sorted(tried[kept]["path"].iterdir()):
-        if f.is_file() and f.name != "streamrl_sft.json":
-            shutil.copyfile(f, out / f.name)
+    scores = [max(r["validation_by_epoch"]) for _, _, r in tried]
+    kept = scores.index(max(scores))  # the earliest among ties
+    _copy_files(tried[kept][1], out, skip="streamrl_sft.json")
     report = {
-        **tried[kept]["report"],
+        **tried[kept][2],
         "config": asdict(config),
         "restarts": {
             "kept": kept,
             "attempts": [
                 {
-                    "seed": t["seed"],
-                    "key": t["key"],
-                    "best_validation": t["best_validation"],
-                    "weights_sha256": t["report"]["weights_sha256"],
-                    "collect_s": sum(d["collect_s"] for d in t["report"]["data"].values()),
-                    "train_s": t["report"]["train_s"],
+                    "seed": attempt.seed,
+                    "key": attempt.key(),
+                    "best_validation": score,
+                    "weights_sha256": r["weights_sha256"],
+                    "collect_s": sum(d["collect_s"] for d in r["data"].values()),
+                    "train_s": r["train_s"],
                 }
-                for t in tried
+                for (attempt, _, r), score in zip(tried, scores, strict=True)
             ],
         },
     }
