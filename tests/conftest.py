@@ -1,6 +1,12 @@
-"""Shared test setup: one torch thread (a busy neighbour makes 2 threads 5-40x slower), offline hub."""
+"""Shared test setup: one torch thread (a busy neighbour makes 2 threads 5-40x slower), offline hub; the
+``primed`` policy of the trainer tests."""
 
 import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
@@ -14,3 +20,131 @@ try:
     torch.set_num_threads(1)
 except ImportError:  # pragma: no cover - torch is a core dependency
     pass
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The ``primed`` policy of the trainer tests (test_train, test_ray, test_train_vllm)
+# ---------------------------------------------------------------------------------------------------------
+
+PRIMED_TASKS = 8
+"""The ``primed`` policy knows the answers of the first this-many Math-TIR training tasks."""
+
+
+@pytest.fixture(scope="session")
+def math_tasks() -> list[str]:
+    """The Math-TIR training split's task ids, in order."""
+    from streamrl.agents.env_specs import env_spec, make_env, task_ids_of
+
+    env = make_env("math_tir", env_spec("math_tir").train_split)
+    try:
+        return task_ids_of(env, "math_tir")
+    finally:
+        env.close()
+
+
+class _Expert:
+    """Writes the task's ground truth as ``\\boxed{}`` on its first turn, or (``answer=False``) never answers."""
+
+    def __init__(self, answer: bool) -> None:
+        self.answer = answer
+
+    def act(self, observations: Sequence[str], infos: Sequence[Mapping[str, Any]], ids: Any) -> list[str]:
+        return [f"\\boxed{{{info['ground_truth']}}}" if self.answer else "Let me think." for info in infos]
+
+    def end_episode(self, episode_id: Any) -> None:
+        return None
+
+
+def _first_turn(seq: Any) -> Any:
+    """``seq`` cut after its first action (the prompt and the first turn's tokens)."""
+    from streamrl.agents.trajectory import TokenSequence
+
+    end = seq.action_mask.index(1)
+    while end < len(seq) and seq.action_mask[end]:
+        end += 1
+    return TokenSequence(
+        seq.token_ids[:end], seq.action_mask[:end], seq.rollout_logprobs[:end], seq.token_versions[:end]
+    )
+
+
+def _answer_probabilities(model: Any, answers: Sequence[Any], pad_token_id: int) -> list[tuple[float, float]]:
+    """Per answer sequence, teacher-forced: (P(its first action token), P(the rest of the answer | that token))
+    -- how often the model answers at once, and how often such an answer is right."""
+    from streamrl.agents.batch import collate
+    from streamrl.agents.logprobs import selected_token_logprobs
+
+    model.eval()
+    with torch.no_grad():
+        batch = collate(answers, pad_token_id)
+        lp = selected_token_logprobs(model, batch.input_ids, batch.attention_mask, batch.action_mask)
+    model.train()
+    out, i = [], 0
+    for seq in answers:
+        n = sum(seq.action_mask)
+        out.append((float(lp[i].exp()), float(lp[i + 1 : i + n].sum().exp())))
+        i += n
+    return out
+
+
+@pytest.fixture(scope="session")
+def primed(tmp_path_factory: pytest.TempPathFactory, math_tasks: list[str]) -> Path:
+    """``tiny`` behaviour-cloned on a mixture, for each of the first ``PRIMED_TASKS`` Math-TIR training tasks:
+    the prompt followed by the right ``\\boxed{}`` answer, and the prompt followed by "Let me think.". The
+    first action token's likelihood is maximal at one half, and full-batch training converges to it, so the
+    policy answers at once, and right, about half the time on every known task and otherwise rambles, mostly to
+    the turn limit (test_train's module doc).
+
+    Two phases, full-batch: the answers alone until they are bound to their prompts, then the mixture, which
+    brings answering at once down from 1 to 1/2 (training on both from the start binds slowly, at a speed that
+    depends on the CPU's float rounding). Both properties are checked teacher-forced, and a fixture that misses
+    them fails here, naming the tasks, rather than the trainer tests later on "no reward"."""
+    from streamrl.agents.env_specs import env_spec, make_env
+    from streamrl.agents.models import load_model, load_tokenizer, resolve_model
+    from streamrl.agents.rollout import play_episode
+    from streamrl.agents.teacher_forcing import TeacherForcedAgent, sequences_of
+    from streamrl.algorithms.sft import SFTConfig, train_sft
+
+    tokenizer = load_tokenizer(resolve_model("tiny"))
+    spec = env_spec("math_tir")
+    env = make_env("math_tir", spec.train_split)
+    try:
+        records = {
+            answer: [
+                play_episode(
+                    env,
+                    TeacherForcedAgent(_Expert(answer), tokenizer, spec.prompt(), spec.context),
+                    options={"task_id": t},
+                ).record
+                for t in math_tasks[:PRIMED_TASKS]
+            ]
+            for answer in (True, False)
+        }
+    finally:
+        env.close()
+    assert all(r is not None and r.won for r in records[True]) and not any(r.won for r in records[False])
+    answers = sequences_of(records[True])
+    mixture = answers + [_first_turn(s) for s in sequences_of(records[False])]
+    model = load_model(resolve_model("tiny"))
+    pad = tokenizer.pad_token_id
+
+    def fit(sequences: Sequence[Any], epochs: int) -> list[tuple[float, float]]:
+        config = SFTConfig(
+            envs=("math_tir",), epochs=epochs, batch_size=len(sequences), lr=3e-3, warmup_steps=2
+        )
+        train_sft(model, sequences, config, pad, log=lambda _: None)
+        return _answer_probabilities(model, answers, pad)
+
+    for _ in range(3):  # bind the answers to their prompts: 200 epochs do it here (probabilities 0.99+)
+        if all(right >= 0.9 for _, right in fit(answers, 200)):
+            break
+    probabilities = fit(mixture, 50)  # then balance the first turn (answering at once falls from 1 to 1/2)
+    at_once = [round(p, 2) for p, _ in probabilities]
+    right = {t: round(r, 2) for t, (_, r) in zip(math_tasks[:PRIMED_TASKS], probabilities, strict=True)}
+    assert all(0.3 <= p <= 0.7 for p in at_once), (
+        f"primed: P(answer at once) per task {at_once}, not about 1/2"
+    )
+    assert all(r >= 0.8 for r in right.values()), f"primed: P(right | answered) per task {right}, below 0.8"
+    out = tmp_path_factory.mktemp("primed")
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    return out

@@ -53,15 +53,7 @@ from streamrl.algorithms.train import ConfigError, TrainConfig, Trainer
 from streamrl.envs.ray_workers import local_ray_options, node_address
 from streamrl.envs.vector import StreamingVectorEnv, SubEnvState, VectorEnvConfig
 from test_learner_ddp import assert_same_update, episodes, spec_for, train_both  # noqa: F401 - a fixture
-from test_train import (  # noqa: F401 - math_tasks and primed are fixtures
-    QUIET,
-    assert_ledger_closes,
-    math_tasks,
-    max_abs_diff,
-    primed,
-    run_config,
-    start,
-)
+from test_train import QUIET, assert_ledger_closes, max_abs_diff, run_config, start
 from test_vector_chaos import EPISODE_LEN, _assert_exactly_once, _drive, _env
 
 pytestmark = pytest.mark.timeout(300)
@@ -244,7 +236,7 @@ def ray_config(config: TrainConfig, out: Path, **overrides: Any) -> TrainConfig:
     return replace(config, **{**placement, **overrides})
 
 
-def test_synchronous_run_on_ray_trains_what_the_local_run_trains(primed: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_synchronous_run_on_ray_trains_what_the_local_run_trains(primed: Path, tmp_path: Path) -> None:
     config = run_config(tmp_path / "local", primed, algo="spo", max_staleness=0, tasks=8, updates=3)
     local = start(config)
     local.trainer.run()
@@ -279,7 +271,7 @@ def test_synchronous_run_on_ray_trains_what_the_local_run_trains(primed: Path, t
 
 
 def test_killing_an_env_actor_and_a_rollout_engine_mid_run_loses_no_episode(
-    primed: Path,  # noqa: F811
+    primed: Path,
     tmp_path: Path,
 ) -> None:
     config = run_config(tmp_path / "local", primed, algo="spo", max_staleness=1, tasks=8, updates=4)

@@ -3,12 +3,13 @@ reproducibility, kill -9 / SIGTERM and resume, staleness, the drain policy, the 
 learner's micro-batching and importance ratio, and bad input (issue 13's "Done when" and "Pitfalls").
 
 Reward variance. An untrained ``tiny`` never solves a task, so every advantage would be 0 and no update could
-move the weights, and every episode runs to the turn limit. The ``primed`` model is ``tiny`` after 50
-behaviour-cloning steps on the answers of the first two Math-TIR training tasks (``\\boxed{6}``,
-``\\boxed{82}``): it often answers at once (right on the first task about a third of the time, wrong elsewhere)
-and otherwise rambles for all four turns. So rewards vary within a batch and within a GRPO group of the first
-task, and the episodes of one dispatch end at different times: batches fill while longer episodes are
-mid-way, which finish under a newer policy version. The rewards are the env's own judgments.
+move the weights, and every episode runs to the turn limit. The ``primed`` model (conftest.py) is ``tiny``
+behaviour-cloned on the first eight Math-TIR training tasks, each followed half the time by its right
+``\\boxed{}`` answer and half the time by "Let me think.": on each of those tasks it answers at once, and
+right, about half the time, and otherwise rambles, mostly to the turn limit (four turns). So rewards vary
+within a batch and within a GRPO group, and the episodes of one dispatch end at different times: batches fill
+while longer episodes are mid-way, which finish under a newer policy version. The rewards are the env's own
+judgments.
 
 Every run checks that the ledger closes in every metrics row. Runs use in-process env workers, 16 new tokens a
 turn, 4-8 episodes an update and no evaluation unless the test is about it.
@@ -49,52 +50,6 @@ QUIET: Callable[[str], None] = lambda _: None  # noqa: E731
 # ---------------------------------------------------------------------------------------------------------
 # Fixtures and helpers
 # ---------------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def math_tasks() -> list[str]:
-    from streamrl.agents.env_specs import env_spec, make_env, task_ids_of
-
-    env = make_env("math_tir", env_spec("math_tir").train_split)
-    try:
-        return task_ids_of(env, "math_tir")
-    finally:
-        env.close()
-
-
-@pytest.fixture(scope="module")
-def primed(tmp_path_factory: pytest.TempPathFactory, math_tasks: list[str]) -> Path:
-    """``tiny`` behaviour-cloned on the correct answers of the first two Math-TIR training tasks (module doc)."""
-    from streamrl.agents.env_specs import env_spec, make_env
-    from streamrl.agents.rollout import play_episode
-    from streamrl.agents.teacher_forcing import TeacherForcedAgent, sequences_of
-    from streamrl.algorithms.sft import SFTConfig, train_sft
-
-    class AnswerAtOnce:
-        """An expert that writes the ground truth as its first turn."""
-
-        def act(self, observations: Sequence[str], infos: Sequence[Mapping[str, Any]], ids: Any) -> list[str]:
-            return [f"\\boxed{{{info['ground_truth']}}}" for info in infos]
-
-        def end_episode(self, episode_id: Any) -> None:
-            return None
-
-    tokenizer = load_tokenizer(resolve_model("tiny"))
-    spec = env_spec("math_tir")
-    env = make_env("math_tir", spec.train_split)
-    try:
-        agent = TeacherForcedAgent(AnswerAtOnce(), tokenizer, spec.prompt(), spec.context)
-        experts = [play_episode(env, agent, options={"task_id": t}).record for t in math_tasks[:2]]
-    finally:
-        env.close()
-    assert all(e is not None and e.won for e in experts)
-    model = load_model(resolve_model("tiny"))
-    config = SFTConfig(envs=("math_tir",), epochs=25, batch_size=1, lr=1e-2, warmup_steps=2)
-    train_sft(model, sequences_of(experts), config, tokenizer.pad_token_id, log=QUIET)  # type: ignore[arg-type]
-    out = tmp_path_factory.mktemp("primed")
-    model.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
-    return out
 
 
 def run_config(out: Path, model: Path | str = "tiny", **overrides: Any) -> TrainConfig:
@@ -732,9 +687,9 @@ def test_micro_batches_give_the_full_batch_gradient(algo: str, primed: Path, mat
             {t: [1.0, float(i % 2)] if i < 2 else [0.0, 0.0] for i, t in enumerate(math_tasks[:8])}
         )
     tickets: list[tuple[Ticket, int | None]]
-    if algo == "grpo":  # a group of 8 of the primed task (mixed rewards) and one of 4 of another
+    if algo == "grpo":  # a group of 8 of the first task (mixed rewards) and one of 4 of the second
         tickets = [(tracker.dispatch(t), g) for g, n in ((0, 8), (1, 4)) for t in [math_tasks[g]] * n]
-    else:  # the primed task 4 times, 4 others once
+    else:  # the first task 4 times, 4 others once
         tickets = [(tracker.dispatch(t), None) for t in [math_tasks[0]] * 4 + math_tasks[1:5]]
     jobs = [Job(t.task_id, t.dispatch_index, t, g) for t, g in tickets]
     episodes = rollouts_of(primed, jobs)

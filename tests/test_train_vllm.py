@@ -1,7 +1,8 @@
 """``streamrl train --backend vllm``: SPO++ and GRPO with a real (CPU) vLLM engine serving LoRA adapters.
 
-The policy starts from the tiny SFT checkpoint the SFT tests build (16 Math-TIR expert episodes; it solves some
-training tasks, so rewards vary and updates are non-zero). Each publication saves the adapter with its probe,
+The policy starts from the ``primed`` tiny (conftest.py): on each of the eight Math-TIR training tasks it trains
+on, it answers at once, and right, about half the time, so rewards vary within every GRPO group and updates
+are non-zero. Each publication saves the adapter with its probe,
 hot-loads it into the engine (which checks the probe) and compares the served log-probs with the learner's.
 Generation overlaps the learner's updates (the engine runs in its own processes).
 """
@@ -25,31 +26,25 @@ pytestmark = [
 
 from safetensors.torch import load_file  # noqa: E402
 from streamrl.algorithms.learner import LearnerConfig  # noqa: E402
-from streamrl.algorithms.sft import SFTConfig, sft_checkpoint  # noqa: E402
 from streamrl.algorithms.train import TrainConfig, train  # noqa: E402
 
 
 @pytest.mark.parametrize("algo", ["spo++", "grpo"])
-def test_train_with_vllm_backend(algo: str, tmp_path: Path) -> None:
-    model = sft_checkpoint(
-        SFTConfig(
-            envs=("math_tir",), max_expert_episodes=16, synthetic_episodes=0, epochs=30, batch_size=4, lr=5e-3
-        )
-    )
+def test_train_with_vllm_backend(algo: str, primed: Path, tmp_path: Path) -> None:
     config = TrainConfig(
         out=str(tmp_path / "run"),
         env="math_tir",
         algo=algo,
-        model=str(model),
+        model=str(primed),
         init="base",
         backend="vllm",
         updates=2,
         batch=8,
         num_envs=8,
-        tasks=16,
+        tasks=8,
         offline_rollouts=1,
         eval_every=0,
-        max_new_tokens=48,
+        max_new_tokens=16,
         learner=LearnerConfig(finetune="lora", lr=1e-2),
         max_staleness=0 if algo == "grpo" else 1,  # GRPO as it usually runs: synchronous groups
         algorithm={"publish_every": 1, **({"group_size": 4} if algo == "grpo" else {})},
