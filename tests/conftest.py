@@ -55,13 +55,12 @@ class _Expert:
         return None
 
 
-def _first_turn(seq: Any) -> Any:
-    """``seq`` cut after its first action (the prompt and the first turn's tokens)."""
+def _first_turn(record: Any) -> Any:
+    """``record``'s prompt and first turn: its sequence cut where the first action ends (``action_span``)."""
     from streamrl.agents.trajectory import TokenSequence
 
-    end = seq.action_mask.index(1)
-    while end < len(seq) and seq.action_mask[end]:
-        end += 1
+    turn = record.turns[0]
+    seq, end = record.sequences[turn.sequence], turn.action_span[1]
     return TokenSequence(
         seq.token_ids[:end], seq.action_mask[:end], seq.rollout_logprobs[:end], seq.token_versions[:end]
     )
@@ -123,7 +122,7 @@ def primed(tmp_path_factory: pytest.TempPathFactory, math_tasks: list[str]) -> P
         env.close()
     assert all(r is not None and r.won for r in records[True]) and not any(r.won for r in records[False])
     answers = sequences_of(records[True])
-    mixture = answers + [_first_turn(s) for s in sequences_of(records[False])]
+    mixture = answers + [_first_turn(r) for r in records[False]]
     model = load_model(resolve_model("tiny"))
     pad = tokenizer.pad_token_id
 

@@ -2,9 +2,9 @@
 
 The policy starts from the ``primed`` tiny (conftest.py): on each of the eight Math-TIR training tasks it trains
 on, it answers at once, and right, about half the time, so rewards vary within every GRPO group and updates
-are non-zero. Each publication saves the adapter with its probe,
-hot-loads it into the engine (which checks the probe) and compares the served log-probs with the learner's.
-Generation overlaps the learner's updates (the engine runs in its own processes).
+are non-zero. Each publication saves the adapter with its probe, hot-loads it into the engine (which checks the
+probe) and compares the served log-probs with the learner's. Generation overlaps the learner's updates (the
+engine runs in its own processes).
 """
 
 from __future__ import annotations
