@@ -86,6 +86,9 @@ class TrainConfig:
     init: Init = "sft"
     """``"sft"``: start from the model's SFT checkpoint for ``env`` (built and cached on first use);
     ``"base"``: from ``model`` as it is."""
+    sft: Mapping[str, Any] = field(default_factory=dict)
+    """``init="sft"``: overrides of the env's SFT recipe (``SFTConfig`` fields over ``SFTConfig.for_env``, e.g.
+    ``{"seed": 1}``), so the run starts from that recipe's checkpoint; empty = the preset's."""
     backend: BackendName = "hf"
     """Rollout backend: ``"hf"`` (in-process transformers) or ``"vllm"`` (needs LoRA)."""
     updates: int = 60
@@ -166,6 +169,7 @@ class TrainConfig:
         data = asdict(self)
         data["algorithm"] = dict(self.algorithm)
         data["env_kwargs"] = dict(self.env_kwargs)
+        data["sft"] = dict(self.sft)
         return data
 
     @classmethod
@@ -197,19 +201,41 @@ class ConfigError(ValueError):
     """A training config that cannot run; raised before any work starts."""
 
 
-def initial_model_dir(model: str, init: Init, env: str, log: Callable[[str], None] = print) -> Path:
+def initial_model_dir(
+    model: str,
+    init: Init,
+    env: str,
+    log: Callable[[str], None] = print,
+    sft: Mapping[str, Any] | None = None,
+) -> Path:
     """The model directory a run of ``env`` starts from: ``model``'s SFT checkpoint for ``env`` (``init="sft"``,
-    built and cached on first use) or ``model`` as it is (``init="base"``). A run's version 0 is this model,
-    so evaluating a run's start (``streamrl eval``) resolves it here too."""
+    its preset with the ``sft`` overrides, built and cached on first use) or ``model`` as it is
+    (``init="base"``). A run's version 0 is this model, so evaluating a run's start (``streamrl eval``)
+    resolves it here too."""
     from streamrl.agents.models import resolve_model
 
     if init == "sft":
-        from streamrl.algorithms.sft import SFTConfig, sft_checkpoint
+        from streamrl.algorithms.sft import sft_checkpoint
 
-        return Path(sft_checkpoint(SFTConfig.for_env(env, model=model), log=log))
+        return Path(sft_checkpoint(sft_recipe(model, env, sft or {}), log=log))
     if init != "base":
         raise ValueError(f"init must be 'sft' or 'base', got {init!r}")
+    if sft:
+        raise ValueError(f"sft overrides {dict(sft)} need init='sft', got init={init!r}")
     return Path(resolve_model(model))
+
+
+def sft_recipe(model: str, env: str, overrides: Mapping[str, Any]) -> Any:
+    """``SFTConfig.for_env(env, model=model, **overrides)``, with an unknown or invalid override named."""
+    from dataclasses import fields as dataclass_fields
+
+    from streamrl.algorithms.sft import SFTConfig
+
+    valid = {f.name for f in dataclass_fields(SFTConfig)} - {"model"}
+    unknown = sorted(set(overrides) - valid)
+    if unknown:
+        raise ValueError(f"unknown sft override(s) {unknown}; SFTConfig fields: {sorted(valid)}")
+    return SFTConfig.for_env(env, model=model, **overrides)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -342,6 +368,13 @@ class Trainer:
             raise ConfigError(f"unknown backend {c.backend!r}; valid: 'hf', 'vllm'")
         if c.init not in ("sft", "base"):
             raise ConfigError(f"init must be 'sft' or 'base', got {c.init!r}")
+        if c.sft:
+            if c.init != "sft":
+                raise ConfigError(f"sft overrides {dict(c.sft)} need init='sft', got init={c.init!r}")
+            try:
+                sft_recipe(c.model, c.env, c.sft)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"sft={dict(c.sft)}: {exc}") from exc
         from streamrl.agents.models import resolve_model
 
         try:
@@ -408,6 +441,7 @@ class Trainer:
                     f"{self.run_dir} already holds a run; pass resume=True (--resume) or another out"
                 )
             mine = json.loads(json.dumps(self.config.to_dict()))
+            saved.setdefault("sft", {})  # saved before the field: started from the preset
             for values in (saved, mine):  # how the ranks hold the policy is placement: checkpoints are full
                 (values.get("learner") or {}).pop("sharding", None)
             changed = sorted(
@@ -472,7 +506,7 @@ class Trainer:
 
         c = self.config
         self.spec = env_spec(c.env)
-        self.model_dir = initial_model_dir(c.model, c.init, c.env, log=self.log)
+        self.model_dir = initial_model_dir(c.model, c.init, c.env, log=self.log, sft=c.sft)
         self.tokenizer = load_tokenizer(self.model_dir)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(c.seed, "learner"))
@@ -1181,6 +1215,7 @@ class Trainer:
         in_flight = [job for job in self.queued] + self.rollouts.running
         state = {
             "updates": self.updates,
+            "start": self._start_identity(),
             "tracker": self.tracker.state_dict(),
             "ledger": {
                 **asdict(self.ledger),
@@ -1216,9 +1251,28 @@ class Trainer:
             "group": episode.group,
         }
 
+    def _start_identity(self) -> dict[str, str]:
+        """The starting model a checkpoint belongs to: its directory's name (an SFT checkpoint's name holds its
+        recipe's key) and a fingerprint of its weights."""
+        from streamrl.agents.models import weights_fingerprint
+
+        return {"model_dir": self.model_dir.name, "weights": weights_fingerprint(self.model_dir)}
+
     def _load_checkpoint(self) -> None:
         path = self.run_dir / "checkpoint"
         state = json.loads((path / "state.json").read_text())
+        started = state.get("start")  # absent in checkpoints written before the check
+        now = self._start_identity()
+        if started is not None and started != now:
+            if started["model_dir"] != now["model_dir"]:
+                what = f"its config now resolves to {now['model_dir']} (the env's SFT preset changed?)"
+            else:
+                what = f"the weights of {now['model_dir']} changed ({started['weights']} -> {now['weights']})"
+            raise ConfigError(
+                f"cannot resume {self.run_dir}: it started from {started['model_dir']}, but {what}; resume it "
+                "from the model it started from (for an SFT start, sft= the overrides of its recipe), or start "
+                "a new run"
+            )
         blob = torch.load(path / "learner.pt", weights_only=False)
         self.learner.load_state_dict(blob["learner"])
         self.algorithm.load_state_dict(blob["algorithm"])

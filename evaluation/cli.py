@@ -216,7 +216,7 @@ class TrainRunOptions:
     """Show a progress bar (``--no-progress`` for logs)."""
 
 
-_TRAIN_NO_FLAG = ("learner", "algorithm", "env_kwargs")
+_TRAIN_NO_FLAG = ("learner", "algorithm", "env_kwargs", "sft")
 
 
 def parse_train_args(argv: Sequence[str]) -> tuple[TrainRunOptions, Any]:

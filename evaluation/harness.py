@@ -199,7 +199,9 @@ def load_agent(
         return LoadedAgent(spec, f"the {env} scripted expert")
     if spec.kind == "run":
         config = read_run_config(spec.name)
-        model_dir = initial_model_dir(str(config["model"]), config["init"], str(config["env"]), log=log)
+        model_dir = initial_model_dir(
+            str(config["model"]), config["init"], str(config["env"]), log=log, sft=config.get("sft")
+        )
         version = policy_version(spec.name, spec.version)
         policy = None if version == 0 else Path(spec.name) / "policy" / f"v{version}"
         what = f"run {spec.name} at version {version} ({config['model']}, init {config['init']})"

@@ -37,7 +37,7 @@ from streamrl.agents.base import SamplingParams
 from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
 from streamrl.agents.llm_agent import LLMAgent
 from streamrl.agents.logprobs import token_logprobs
-from streamrl.agents.models import load_model, load_tokenizer, resolve_model
+from streamrl.agents.models import load_model, load_tokenizer, resolve_model, weights_fingerprint
 from streamrl.algorithms.base import Episode, make_algorithm
 from streamrl.algorithms.learner import Learner, LearnerConfig, length_sorted_chunks, training_rows
 from streamrl.algorithms.runtime import Job, Rollouts, collect
@@ -777,6 +777,17 @@ BAD = [
         id="keep",
     ),
     pytest.param(
+        {"init": "sft", "sft": {"epochz": 3}},
+        "sft=\\{'epochz': 3\\}: unknown sft override\\(s\\) \\['epochz'\\]; SFTConfig fields: .*'epochs'",
+        id="sft-unknown",
+    ),
+    pytest.param(
+        {"init": "sft", "sft": {"epochs": 0}}, "sft=.*epochs and batch_size must be >= 1, got 0", id="sft-bad"
+    ),
+    pytest.param(
+        {"sft": {"seed": 1}}, "sft overrides \\{'seed': 1\\} need init='sft', got init='base'", id="sft-base"
+    ),
+    pytest.param(
         {"env_kwargs": {"max_stepz": 3}},
         "env_kwargs=\\{'max_stepz': 3\\} do not fit the math_tir env",
         id="env-kwargs",
@@ -800,6 +811,23 @@ def test_resuming_with_another_config_fails(tmp_path: Path) -> None:
         Trainer(changed, resume=True, progress=False, log=QUIET)
     with pytest.raises(ConfigError, match="already holds a run; pass resume=True"):
         Trainer(config, progress=False, log=QUIET)
+
+
+def test_resuming_from_another_start_fails(tmp_path: Path) -> None:
+    """A checkpoint records the model its run started from: resuming over other starting weights (a changed SFT
+    preset, a model directory rewritten) would train the saved state against the wrong base, so it refuses."""
+    model = tmp_path / "model"
+    shutil.copytree(resolve_model("tiny"), model)
+    config = run_config(tmp_path / "run", model, updates=1, offline_rollouts=0, checkpoint_every=1)
+    train(config)
+    saved = json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())["start"]
+    assert saved == {"model_dir": "model", "weights": weights_fingerprint(model)}
+    other = load_model(model)
+    with torch.no_grad():
+        next(other.parameters()).add_(1e-3)
+    other.save_pretrained(model)
+    with pytest.raises(ConfigError, match=r"it started from model, but the weights of model changed \("):
+        Trainer(replace(config, updates=2), resume=True, progress=False, log=QUIET)
 
 
 def test_top_p_is_rejected_with_the_reason(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
