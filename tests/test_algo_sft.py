@@ -21,6 +21,7 @@ from streamrl.agents.models import load_tokenizer, resolve_model
 from streamrl.agents.teacher_forcing import expert_trajectories, sequences_of
 from streamrl.algorithms import sft as sft_module
 from streamrl.algorithms.sft import SFTConfig, sequences_sha256, sft_checkpoint, weights_sha256
+from streamrl.evaluation.demo import DEMO_COLD_START
 from streamrl.evaluation.harness import evaluate
 
 
@@ -51,16 +52,18 @@ def test_per_env_recipes_chain_their_cache_keys(monkeypatch: pytest.MonkeyPatch)
 def test_preset_cache_keys_are_pinned() -> None:
     # Cached checkpoints are found by these keys (and the model they start from): a change to a preset, to a
     # field's default or to the data and training code (``_RECIPE``) must be deliberate, and update them here.
-    assert SFTConfig.math_tir().key() == "732c15efd455"
-    assert SFTConfig.alfworld().key() == "ed35fc86e5d6"
-    assert SFTConfig.math_tir(seed=1).key() == "159166c0a131"
-    assert SFTConfig.math_tir(threads=2).key() == "1db83c3b2968"  # 2 threads train other weights
-    # a recipe with restarts: its first training run is a plain checkpoint of its own (restarts enter no key when
-    # there are none), here the 12-epoch lever's seed-0 run measured in docs/sft.md
-    lever = SFTConfig.math_tir(epochs=12, select_best_of=100, restarts=2, restart_below=0.4)
-    first = sft_module.restart_attempts(lever)[0]
-    assert first.key() == SFTConfig.math_tir(epochs=12, select_best_of=100).key() == "fe531e048aa5"
-    assert [a.seed for a in sft_module.restart_attempts(replace(lever, seed=2))] == [2, 1002, 2002]
+    assert SFTConfig.math_tir().key() == "d41789ea3afb"
+    assert SFTConfig.alfworld().key() == "51b9efd77173"
+    assert SFTConfig.math_tir(seed=1).key() == "f279cf049b6e"
+    assert SFTConfig.math_tir(threads=2).key() == "469cdca2611e"  # 2 threads train other weights
+    # the demo's start, the preset until 2026-12-02 (3 epochs, no selection): the key its checkpoint has kept
+    assert SFTConfig.math_tir(**DEMO_COLD_START).key() == "732c15efd455"
+    # the preset has restarts: its first training run is a plain checkpoint of its own (restarts enter no key
+    # when there are none), the seed-0 run of the 12-epoch schedule measured in docs/sft.md
+    preset = SFTConfig.math_tir()
+    first = sft_module.restart_attempts(preset)[0]
+    assert first.key() == SFTConfig.math_tir(restarts=0).key() == "fe531e048aa5"
+    assert [a.seed for a in sft_module.restart_attempts(replace(preset, seed=2))] == [2, 1002, 2002]
 
 
 def test_model_selection_keeps_the_best_epoch(tokenizer) -> None:  # type: ignore[no-untyped-def]
@@ -116,7 +119,7 @@ def test_restarts_keep_the_first_attempt_that_validates_else_the_best(
     restarts = json.loads((path / "streamrl_sft.json").read_text())["restarts"]
     assert [a["seed"] for a in restarts["attempts"]] == [0, 1000] and restarts["kept"] == 1
     with pytest.raises(ValueError, match="restarts=1 needs a validation"):
-        SFTConfig.math_tir(restarts=1, restart_below=0.3)  # no select_best_of: nothing to judge a run by
+        SFTConfig.math_tir(restarts=1, restart_below=0.3, select_best_of=0)  # nothing to judge a run by
 
 
 def _clone_and_play(config: SFTConfig, max_loss: float) -> tuple[dict, dict]:
@@ -172,7 +175,7 @@ import torch
 torch.set_num_threads(int(sys.argv[1]))
 from streamrl.agents.models import resolve_model
 from streamrl.algorithms.sft import SFTConfig, sft_checkpoint
-config = SFTConfig.math_tir(max_expert_episodes=16, synthetic_episodes=32, epochs=1)
+config = SFTConfig.math_tir(max_expert_episodes=16, synthetic_episodes=32, epochs=1, select_best_of=0, restarts=0)
 path = sft_checkpoint(config, log=lambda _: None)
 print(json.dumps({"sft": str(path), "base": str(resolve_model("tiny")), "threads": torch.get_num_threads()}))
 """
@@ -241,12 +244,18 @@ def test_data_fingerprint_covers_tokens_and_masks(tokenizer) -> None:  # type: i
 # Shipped checkpoints (checkpoints/ in the repository)
 
 
-def test_the_shipped_checkpoint_is_math_tirs_current_recipe_and_intact() -> None:
+def test_the_shipped_checkpoints_are_the_current_recipes_and_intact() -> None:
     from streamrl.algorithms.sft import SHIPPED, shipped_checkpoint
 
-    name = f"{resolve_model('tiny').name}-sft-{SFTConfig.math_tir().key()}"
-    # a recipe change moves the key: the shipped copy would no longer be used, so this fails until it is rebuilt
-    assert shipped_checkpoint(name) == SHIPPED / name
+    # Math-TIR's preset (what `streamrl train --init sft` starts from) and the demo's start. A recipe change
+    # moves a key: its shipped copy would no longer be used, so this fails until it is rebuilt.
+    names = {
+        f"{resolve_model('tiny').name}-sft-{config.key()}"
+        for config in (SFTConfig.math_tir(), SFTConfig.math_tir(**DEMO_COLD_START))
+    }
+    assert {d.name for d in SHIPPED.iterdir()} == names
+    for name in names:
+        assert shipped_checkpoint(name) == SHIPPED / name
 
 
 def test_a_shipped_checkpoint_is_copied_after_its_sha256_check(

@@ -254,6 +254,34 @@ def test_demo_trains_evaluates_paired_and_reports(tmp_path: Path, capsys: pytest
     assert "invalid choice: 'fly'" in capsys.readouterr().err
 
 
+def test_the_demo_starts_from_a_shipped_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Both of the demo's starts (its own 3-epoch recipe, default, and Math-TIR's preset) resolve to checkpoints
+    shipped in the repository: a fresh machine copies them instead of training for minutes to an hour."""
+    from streamrl.algorithms import sft
+    from streamrl.algorithms.train import initial_model_dir
+    from streamrl.evaluation.cli import parse_train_args
+    from streamrl.evaluation.demo import DemoConfig
+
+    monkeypatch.setattr(sft, "cache_root", lambda: tmp_path)  # an empty SFT cache (the base model's is kept)
+
+    starts = []
+    for cold_start in ("demo", "preset"):
+        config = DemoConfig(cold_start=cold_start).train_config()
+        path = initial_model_dir(config.model, config.init, config.env, sft=config.sft)
+        assert "the shipped copy" in capsys.readouterr().out
+        assert (sft.SHIPPED / path.name).is_dir() and path.parent == tmp_path / "sft"
+        starts.append(path.name)
+    assert starts[0] != starts[1]
+    assert DemoConfig(init="base").train_config().sft == {}
+    # `streamrl train` reaches the demo's start with the config file docs/training.md shows
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text("init: sft\nsft: {epochs: 3, select_best_of: 0, restarts: 0}\n")
+    _, config = parse_train_args(["--config", str(yaml), "--out", str(tmp_path / "run")])
+    assert initial_model_dir(config.model, config.init, config.env, sft=config.sft).name == starts[0]
+
+
 def test_paired_gain_is_the_mean_of_per_episode_differences() -> None:
     from streamrl.evaluation.demo import paired_gain
 
