@@ -51,6 +51,7 @@ from streamrl.algorithms.tracker import EventTracker, Ticket
 from streamrl.envs.cache import atomic_write_text
 
 if TYPE_CHECKING:
+    from streamrl.algorithms.sft import SFTConfig
     from streamrl.envs.vector import VectorEnvConfig
 
 BackendName = Literal["hf", "vllm"]
@@ -225,7 +226,7 @@ def initial_model_dir(
     return Path(resolve_model(model))
 
 
-def sft_recipe(model: str, env: str, overrides: Mapping[str, Any]) -> Any:
+def sft_recipe(model: str, env: str, overrides: Mapping[str, Any]) -> SFTConfig:
     """``SFTConfig.for_env(env, model=model, **overrides)``, with an unknown or invalid override named."""
     from dataclasses import fields as dataclass_fields
 
@@ -441,7 +442,9 @@ class Trainer:
                     f"{self.run_dir} already holds a run; pass resume=True (--resume) or another out"
                 )
             mine = json.loads(json.dumps(self.config.to_dict()))
-            saved.setdefault("sft", {})  # saved before the field: started from the preset
+            # saved before the field: it started from the preset of its time, which the checkpoint cannot tell
+            # (no "start" in its state either), so it resumes only with the preset
+            saved.setdefault("sft", {})
             for values in (saved, mine):  # how the ranks hold the policy is placement: checkpoints are full
                 (values.get("learner") or {}).pop("sharding", None)
             changed = sorted(
