@@ -25,6 +25,7 @@ that was in flight is played again, finished-but-untrained episodes are kept.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -1218,7 +1219,7 @@ class Trainer:
         in_flight = [job for job in self.queued] + self.rollouts.running
         state = {
             "updates": self.updates,
-            "start": self._start_identity(),
+            "start": self._start_identity,
             "tracker": self.tracker.state_dict(),
             "ledger": {
                 **asdict(self.ledger),
@@ -1254,9 +1255,10 @@ class Trainer:
             "group": episode.group,
         }
 
+    @functools.cached_property
     def _start_identity(self) -> dict[str, str]:
         """The starting model a checkpoint belongs to: its directory's name (an SFT checkpoint's name holds its
-        recipe's key) and a fingerprint of its weights."""
+        recipe's key) and a fingerprint of its weights (read once: the start does not change during a run)."""
         from streamrl.agents.models import weights_fingerprint
 
         return {"model_dir": self.model_dir.name, "weights": weights_fingerprint(self.model_dir)}
@@ -1265,7 +1267,7 @@ class Trainer:
         path = self.run_dir / "checkpoint"
         state = json.loads((path / "state.json").read_text())
         started = state.get("start")  # absent in checkpoints written before the check
-        now = self._start_identity()
+        now = self._start_identity
         if started is not None and started != now:
             if started["model_dir"] != now["model_dir"]:
                 what = f"its config now resolves to {now['model_dir']} (the env's SFT preset changed?)"
