@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -146,4 +147,31 @@ def test_decisions_follow_the_rules() -> None:
     wrong = ["examine cabinet 1", "examine egg 1", "move egg 1 to cabinet 1"]
     assert (
         decide(task, rooms, "You pick up the egg 1 from the cabinet 1.", wrong) == "move egg 1 to cabinet 1"
+    )
+
+
+def test_turn_errors_classifies_a_search_slip_by_where_it_goes() -> None:
+    # benchmarks/alfworld_turn_errors.py tells apart the ways a search step fails; docs/sft.md reports them.
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "alfworld_turn_errors.py"
+    module_spec = importlib.util.spec_from_file_location("alfworld_turn_errors", path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    room = ["cabinet 1", "cabinet 2", "fridge 1"]
+    cases = {
+        "go to cabinet 2": "go to:right",
+        "go to cabinet 1": "go to:where it is",
+        "go to fridge 1": "go to:other receptacle",
+        "go to armchair 1": "go to:not in the room",
+        "open cabinet 1": "go to:no go to",
+    }
+    for action, expected in cases.items():
+        assert module.classify("go to cabinet 2", action, room, "cabinet 1") == expected, action
+    assert (
+        module.classify("take egg 1 from cabinet 1", "take egg 1 from cabinet 1", room, None) == "take:right"
+    )
+    assert (
+        module.classify("take egg 1 from cabinet 1", "take mug 1 from cabinet 1", room, None) == "take:wrong"
     )
