@@ -53,7 +53,7 @@ def test_preset_cache_keys_are_pinned() -> None:
     # Cached checkpoints are found by these keys (and the model they start from): a change to a preset, to a
     # field's default or to the data and training code (``_RECIPE``) must be deliberate, and update them here.
     assert SFTConfig.math_tir().key() == "d41789ea3afb"
-    assert SFTConfig.alfworld().key() == "51b9efd77173"
+    assert SFTConfig.alfworld().key() == "c3b551642be1"
     assert SFTConfig.math_tir(seed=1).key() == "f279cf049b6e"
     assert SFTConfig.math_tir(threads=2).key() == "469cdca2611e"  # 2 threads train other weights
     # the demo's start, the preset until 2026-12-02 (3 epochs, no selection): the key its checkpoint has kept
@@ -247,11 +247,11 @@ def test_data_fingerprint_covers_tokens_and_masks(tokenizer) -> None:  # type: i
 def test_the_shipped_checkpoints_are_the_current_recipes_and_intact() -> None:
     from streamrl.algorithms.sft import SHIPPED, shipped_checkpoint
 
-    # Math-TIR's preset (what `streamrl train --init sft` starts from) and the demo's start. A recipe change
-    # moves a key: its shipped copy would no longer be used, so this fails until it is rebuilt.
+    # Both presets (what `streamrl train --init sft` starts from) and the demo's start. A recipe change moves a
+    # key: its shipped copy would no longer be used, so this fails until it is rebuilt.
     names = {
         f"{resolve_model('tiny').name}-sft-{config.key()}"
-        for config in (SFTConfig.math_tir(), SFTConfig.math_tir(**DEMO_COLD_START))
+        for config in (SFTConfig.math_tir(), SFTConfig.alfworld(), SFTConfig.math_tir(**DEMO_COLD_START))
     }
     assert {d.name for d in SHIPPED.iterdir()} == names
     for name in names:
