@@ -1,8 +1,8 @@
 """Where an ALFWorld checkpoint's play goes wrong: each turn classified against the room-order expert.
 
 Plays the first ``--games`` games of ``--split`` with the checkpoint, greedily or at ``--temperature`` (seeded;
-the env's own prompt format and context policy, the 50-step limit) and, before every step, asks ``ALFWorldSearchAgent.decide`` what the expert
-would do in the same state. A turn is counted by the expert's command type and how the model's command relates
+the env's own prompt format and context policy, the 50-step limit) and, before every step, asks
+``ALFWorldSearchAgent.decide`` what the expert would do in the same state. A turn is counted by the expert's command type and how the model's command relates
 to it: for a search step (``go to``), the right receptacle, one the room has not got, another of the room, the
 one it is at already, or no ``go to`` at all; for any other step, right or wrong. Success rates on whole splits
 are ``bench_cold_start.py``'s; this says which step the policy misses::
