@@ -47,6 +47,10 @@ class EnvSpec:
     noise possible)."""
     expert_env_kwargs: Mapping[str, Any] = field(default_factory=dict)
     """Env kwargs (over ``env_kwargs``) while the expert plays, e.g. a longer step budget for its searches."""
+    slip_action: Callable[[str, Mapping[str, Any], random.Random], str | None] | None = None
+    """``(expert action, info, rng) -> command``: a near miss of the expert's action that the env rejects (the
+    state stays as it was), for the slip-and-recover demonstrations of ``SFTConfig.expert_slips``; ``None``
+    from the callable when the action has no such near miss, ``None`` here when the env has none."""
 
     def llm_agent(self, backend: GenerationBackend, sampling: SamplingParams | None = None) -> LLMAgent:
         """An ``LLMAgent`` on ``backend`` with this env's prompt format and context policy; ``sampling``
@@ -73,6 +77,26 @@ def _alfworld_random_action(info: Mapping[str, Any], rng: random.Random) -> str:
     if number.isdigit() and rng.random() < 0.25:
         command = f"{head} {rng.choice([n for n in range(1, 10) if n != int(number)])}"
     return command
+
+
+def _alfworld_slip(action: str, info: Mapping[str, Any], rng: random.Random) -> str | None:
+    """A near miss of the expert's ``action`` that the game rejects: one of its numbers changed so that the
+    command is not admissible ("go to cabinet 4" -> "go to cabinet 9" in a kitchen with six cabinets, "take
+    apple 1 from countertop 2" -> "take apple 3 from countertop 2"). These are the slips a small policy makes
+    at the search and pick steps; after one the game answers "Nothing happens.", the state is unchanged and
+    the expert's action is still the right one, so the next turn shows the policy to write the command it
+    missed rather than the one that failed again. ``None`` when the action has no number to change."""
+    admissible = {str(c) for c in info.get("admissible_commands") or []}
+    words = action.split(" ")
+    misses = [
+        " ".join([*words[:i], str(n), *words[i + 1 :]])
+        for i, word in enumerate(words)
+        if word.isdigit()
+        for n in range(1, 13)
+        if str(n) != word
+    ]
+    misses = [m for m in misses if m not in admissible]
+    return rng.choice(misses) if misses else None
 
 
 def _alfworld_extra_games(n: int, seed: int) -> dict[str, Any]:
@@ -143,6 +167,7 @@ ENV_SPECS: dict[str, EnvSpec] = {
         expert=_alfworld_expert,
         env_kwargs={"max_steps": 50},  # ALFWorld's own limit
         random_action=_alfworld_random_action,
+        slip_action=_alfworld_slip,
         # Searching takes long in kitchens with many closed cabinets: the expert wins 111/128 training games
         # within 50 steps, all 128 within 100 (tests/test_alfworld_agents.py).
         expert_env_kwargs={"max_steps": 100},

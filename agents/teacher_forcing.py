@@ -8,9 +8,10 @@ resulting ``Trajectory`` therefore has exactly the token layout, chat rendering,
 what the policy later sees and emits.
 
 Options: DART noise (random actions that are context, not targets, so the expert's next actions are recovery
-demonstrations), extra generated tasks (``EnvSpec.synthetic_tasks``) and downsampling of frequent actions
-(``downsample_turns``). ``sequences_of`` turns the trajectories into training sequences, masking the turns
-that are context only.
+demonstrations), slips (a near miss of the expert's action that the env rejects, then the missed action as a
+target: what to write after "Nothing happens."), extra generated tasks (``EnvSpec.synthetic_tasks``) and
+downsampling of frequent actions (``downsample_turns``). ``sequences_of`` turns the trajectories into training
+sequences, masking the turns that are context only.
 """
 
 from __future__ import annotations
@@ -66,6 +67,16 @@ class TeacherForcedAgent:
     turns after them) but are not trained on: their indices are in ``info["noise_turns"]`` and
     ``info["untrained_turns"]``, which ``sequences_of`` masks. The
     expert must decide from the state, not from a plan (``ALFWorldSearchAgent``, not the walkthrough).
+
+    With ``slips > 0``, each turn (but the one right after a slip) is, with that probability, a slip: the
+    ``slip_action`` near miss of the expert's own action, which the env rejects without changing the state.
+    The slip is context only (``info["slip_turns"]``, in ``info["untrained_turns"]``) and the turn after it
+    plays the command the slip missed -- still the expert's action, the state being the same, though the
+    expert might decide otherwise on "Nothing happens." than on the observation it had (ALFWorld's reads
+    "You pick up ..." to go and heat what it picked) -- always a target (``info["recovery_turns"]``, which
+    ``downsample_turns`` leaves alone): a policy that imitates it writes, after a rejected command, the one it
+    missed instead of repeating the rejected one -- what greedy decoding, deterministic in an unchanged state,
+    never finds by itself.
     """
 
     def __init__(
@@ -77,11 +88,17 @@ class TeacherForcedAgent:
         noise: float = 0.0,
         random_action: Callable[[Mapping[str, Any], random.Random], str] | None = None,
         seed: int = 0,
+        slips: float = 0.0,
+        slip_action: Callable[[str, Mapping[str, Any], random.Random], str | None] | None = None,
     ) -> None:
         if not 0.0 <= noise < 1.0:
             raise ValueError(f"noise must be in [0, 1), got {noise}")
         if noise and random_action is None:
             raise ValueError(f"noise={noise} needs a random_action to inject")
+        if not 0.0 <= slips < 1.0:
+            raise ValueError(f"slips must be in [0, 1), got {slips}")
+        if slips and slip_action is None:
+            raise ValueError(f"slips={slips} needs a slip_action to make them")
         self.expert = expert
         self.backend = TeacherForcedBackend(tokenizer)
         self.llm = LLMAgent(
@@ -94,7 +111,11 @@ class TeacherForcedAgent:
         eos = tokenizer.eos_token_id
         self._eos = [int(eos)] if eos is not None else []
         self.noise, self.random_action, self._rng = noise, random_action, random.Random(seed)
+        self.slips, self.slip_action = slips, slip_action
         self._noise_turns: dict[EpisodeId, list[int]] = {}
+        self._slip_turns: dict[EpisodeId, list[int]] = {}
+        self._recovery_turns: dict[EpisodeId, list[int]] = {}
+        self._missed: dict[EpisodeId, str] = {}
         self._turns: dict[EpisodeId, int] = {}
 
     def act(
@@ -107,7 +128,13 @@ class TeacherForcedAgent:
         for i, (info, eid) in enumerate(zip(infos, episode_ids, strict=True)):
             turn = self._turns.get(eid, 0)
             self._turns[eid] = turn + 1
-            if self.noise and self._rng.random() < self.noise:
+            missed = self._missed.pop(eid, None)
+            if missed is not None:  # the turn after a slip: the command it missed, always a target
+                actions[i] = missed
+                self._recovery_turns.setdefault(eid, []).append(turn)
+            elif self.slips and self._rng.random() < self.slips and self._slip(actions, i, info, eid):
+                self._slip_turns.setdefault(eid, []).append(turn)
+            elif self.noise and self._rng.random() < self.noise:
                 assert self.random_action is not None
                 actions[i] = self.random_action(info, self._rng)
                 self._noise_turns.setdefault(eid, []).append(turn)
@@ -115,13 +142,28 @@ class TeacherForcedAgent:
         self.llm.act(observations, infos, episode_ids)
         return actions
 
+    def _slip(self, actions: list[str], i: int, info: Mapping[str, Any], eid: EpisodeId) -> bool:
+        """Replace ``actions[i]`` by its slip and remember the command it missed for the next turn; ``False``
+        (unchanged) when it has none."""
+        assert self.slip_action is not None
+        slip = self.slip_action(actions[i], info, self._rng)
+        if slip is not None:
+            self._missed[eid], actions[i] = actions[i], slip
+        return slip is not None
+
     def end_episode(self, episode_id: EpisodeId) -> Trajectory:
         self.expert.end_episode(episode_id)
         noise_turns = self._noise_turns.pop(episode_id, [])
+        slip_turns = self._slip_turns.pop(episode_id, [])
+        recovery_turns = self._recovery_turns.pop(episode_id, [])
+        self._missed.pop(episode_id, None)
         self._turns.pop(episode_id, None)
         trajectory = self.llm.end_episode(episode_id)
         trajectory.info["noise_turns"] = list(noise_turns)
-        trajectory.info["untrained_turns"] = list(noise_turns)
+        if self.slips:
+            trajectory.info["slip_turns"] = list(slip_turns)
+            trajectory.info["recovery_turns"] = list(recovery_turns)
+        trajectory.info["untrained_turns"] = sorted({*noise_turns, *slip_turns})
         return trajectory
 
 
@@ -134,12 +176,15 @@ def expert_trajectories(
     seed: int = 0,
     replays: int = 1,
     noise: float = 0.0,
+    slips: float = 0.0,
 ) -> list[Trajectory]:
     """Won expert episodes of ``env_name`` as trajectories: every task of the split (or the first ``limit``),
     then ``synthetic`` generated tasks (``EnvSpec.synthetic_tasks``; an error for envs without a generator).
 
     Each split task is played ``replays`` times: the first time by the expert alone, then with DART noise
     ``noise`` (``TeacherForcedAgent``; needs ``EnvSpec.random_action``), each replay with its own draws.
+    ``slips`` is the per-turn probability of a slip and its recovery in every episode, generated ones
+    included (``TeacherForcedAgent``; needs ``EnvSpec.slip_action``).
     """
     spec = env_spec(env_name)
     if replays < 1:
@@ -148,6 +193,8 @@ def expert_trajectories(
         raise ValueError(
             f"env {env_name!r} has no random_action for DART noise; noise must be 0, got {noise}"
         )
+    if slips and spec.slip_action is None:
+        raise ValueError(f"env {env_name!r} has no slip_action; slips must be 0, got {slips}")
     sources: list[tuple[Any, list[str], float, int]] = []
     env = make_env(env_name, split or spec.train_split, **dict(spec.expert_env_kwargs))
     task_ids = task_ids_of(env, env_name)[:limit]
@@ -171,6 +218,8 @@ def expert_trajectories(
                 noise=source_noise,
                 random_action=spec.random_action,
                 seed=source_seed,
+                slips=slips,
+                slip_action=spec.slip_action,
             )
             for task_id in source_ids:
                 result = play_episode(source_env, agent, options={"task_id": task_id})
@@ -188,12 +237,16 @@ def downsample_turns(
     trajectories: Sequence[Trajectory], rules: Sequence[tuple[str, float]], rng: random.Random
 ) -> None:
     """Add to ``info["untrained_turns"]`` each turn whose action starts with a rule's prefix, unless a draw
-    falls under the rule's keep probability (``SFTConfig.downsample``)."""
+    falls under the rule's keep probability (``SFTConfig.downsample``). Recoveries from a slip
+    (``info["recovery_turns"]``) stay targets: they are what the slips are there to teach."""
     if not rules:
         return
     for traj in trajectories:
         untrained = set(traj.info.get("untrained_turns", ()))
+        recoveries = set(traj.info.get("recovery_turns", ()))
         for i, turn in enumerate(traj.turns):
+            if i in recoveries:
+                continue
             keep = next((p for prefix, p in rules if turn.action.startswith(prefix)), 1.0)
             if keep < 1.0 and rng.random() >= keep:
                 untrained.add(i)

@@ -80,6 +80,12 @@ class SFTConfig:
     """Times each training task is played: once by the expert alone, then with DART noise (below)."""
     expert_noise: float = 0.0
     """Per-turn probability of a random action in the replays (envs with ``EnvSpec.random_action``)."""
+    expert_slips: float = 0.0
+    """Per-turn probability, in every expert episode, of a slip (envs with ``EnvSpec.slip_action``): a near
+    miss of the expert's action that the env rejects ("go to cabinet 9" in a kitchen with six), as context,
+    followed by the expert's action from the unchanged state, always a target. It teaches the policy what to
+    write after "Nothing happens.": greedy decoding in an unchanged state otherwise repeats the rejected
+    command to the step limit (``TeacherForcedAgent``)."""
     downsample: tuple[tuple[str, float], ...] = ()
     """``(action prefix, keep probability)`` pairs: an expert turn whose action starts with the prefix is a
     training target with that probability, otherwise context only (``sequences_of``); e.g.
@@ -147,6 +153,8 @@ class SFTConfig:
                 raise ValueError(f"init_from={self.init_from!r}: that recipe has an init_from itself")
         if any(not 0.0 < p <= 1.0 for _, p in self.downsample):
             raise ValueError(f"downsample keep probabilities must be in (0, 1], got {self.downsample}")
+        if not 0.0 <= self.expert_slips < 1.0:
+            raise ValueError(f"expert_slips must be in [0, 1), got {self.expert_slips!r}")
         if self.expert_replays < 1 or not 0.0 <= self.expert_noise < 1.0:
             raise ValueError(
                 f"expert_replays must be >= 1 and expert_noise in [0, 1), got {self.expert_replays}, "
@@ -245,6 +253,8 @@ class SFTConfig:
             del config["threads"]  # checkpoints built before the field (all on 1 thread) keep their keys
         if not config["restarts"]:
             del config["restarts"], config["restart_below"]  # so do those built before restarts
+        if not config["expert_slips"]:
+            del config["expert_slips"]  # and those built before slips
         blob = json.dumps(
             {
                 "config": config,
@@ -459,6 +469,7 @@ def _build_checkpoint(
             seed=config.seed,
             replays=config.expert_replays if noisy else 1,
             noise=config.expert_noise if noisy else 0.0,
+            slips=config.expert_slips if spec.slip_action is not None else 0.0,
         )
         downsample_turns(trajs, config.downsample, random.Random(config.seed))
         seqs = sequences_of(trajs)

@@ -3,10 +3,13 @@ as context, on the real envs and the real tiny model's tokenizer."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from streamrl.agents.env_specs import ENV_SPECS
 from streamrl.agents.models import load_tokenizer, resolve_model
-from streamrl.agents.teacher_forcing import expert_trajectories, sequences_of
+from streamrl.agents.teacher_forcing import downsample_turns, expert_trajectories, sequences_of
+from streamrl.algorithms.sft import SFTConfig
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +61,34 @@ def test_dart_noise_turns_are_context_not_targets(tokenizer) -> None:  # type: i
     for seq, (original, (start, end)) in zip(trained, expected, strict=True):
         assert seq.token_ids == original.token_ids
         assert [k for k, m in enumerate(seq.action_mask) if m] == list(range(start, end))
+
+
+def test_slips_are_rejected_near_misses_followed_by_the_missed_command_as_a_target(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # 30% of the turns a slip: one number of the expert's command changed so the game rejects it. The state does
+    # not change, so the next turn is the expert's command from the same state -- the one the slip missed -- and
+    # it is trained on even where downsampling leaves nearly every other "go to" as context.
+    trajs = expert_trajectories("alfworld", tokenizer, limit=6, slips=0.3, seed=2)
+    assert len(trajs) == 6 and all(t.won for t in trajs)
+    slips = [(t, i) for t in trajs for i in t.info["slip_turns"]]
+    assert len(slips) >= 10
+    for traj, i in slips:
+        slip, recovery = traj.turns[i], traj.turns[i + 1]
+        assert slip.action_valid is False and slip.observation.strip() == "Nothing happens."
+        assert i + 1 in traj.info["recovery_turns"] and i in traj.info["untrained_turns"]
+        same_words = [a == b for a, b in zip(slip.action.split(), recovery.action.split(), strict=True)]
+        assert same_words.count(False) == 1  # one number changed, and the expert writes the right one after
+        assert recovery.action_valid is not False
+    assert sorted(i + 1 for _, i in slips) == sorted(i for t in trajs for i in t.info["recovery_turns"])
+    downsample_turns(trajs, [("go to ", 0.01)], random.Random(0))
+    targets = {(id(t), i) for t in trajs for i in range(len(t.turns)) if i not in t.info["untrained_turns"]}
+    assert all((id(t), i + 1) in targets for t, i in slips)
+    assert not any((id(t), i) in targets for t, i in slips)
+    trained = sequences_of(trajs)
+    assert len(trained) == len(targets)
+    with pytest.raises(ValueError, match="slips must be in"):
+        SFTConfig.alfworld(expert_slips=1.0)
+    with pytest.raises(ValueError, match="no slip_action"):
+        expert_trajectories("math_tir", tokenizer, limit=1, slips=0.1)
 
 
 def test_alfworld_extra_games_extend_the_training_split(tokenizer) -> None:  # type: ignore[no-untyped-def]
