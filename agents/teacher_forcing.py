@@ -114,7 +114,6 @@ class TeacherForcedAgent:
         self.slips, self.slip_action = slips, slip_action
         self._noise_turns: dict[EpisodeId, list[int]] = {}
         self._slip_turns: dict[EpisodeId, list[int]] = {}
-        self._recovery_turns: dict[EpisodeId, list[int]] = {}
         self._missed: dict[EpisodeId, str] = {}
         self._turns: dict[EpisodeId, int] = {}
 
@@ -131,7 +130,6 @@ class TeacherForcedAgent:
             missed = self._missed.pop(eid, None)
             if missed is not None:  # the turn after a slip: the command it missed, always a target
                 actions[i] = missed
-                self._recovery_turns.setdefault(eid, []).append(turn)
             elif self.slips and self._rng.random() < self.slips and self._slip(actions, i, info, eid):
                 self._slip_turns.setdefault(eid, []).append(turn)
             elif self.noise and self._rng.random() < self.noise:
@@ -155,14 +153,14 @@ class TeacherForcedAgent:
         self.expert.end_episode(episode_id)
         noise_turns = self._noise_turns.pop(episode_id, [])
         slip_turns = self._slip_turns.pop(episode_id, [])
-        recovery_turns = self._recovery_turns.pop(episode_id, [])
         self._missed.pop(episode_id, None)
         self._turns.pop(episode_id, None)
         trajectory = self.llm.end_episode(episode_id)
         trajectory.info["noise_turns"] = list(noise_turns)
         if self.slips:
             trajectory.info["slip_turns"] = list(slip_turns)
-            trajectory.info["recovery_turns"] = list(recovery_turns)
+            # every slip but one on the episode's last turn is followed by its recovery
+            trajectory.info["recovery_turns"] = [t + 1 for t in slip_turns if t + 1 < len(trajectory.turns)]
         trajectory.info["untrained_turns"] = sorted({*noise_turns, *slip_turns})
         return trajectory
 
