@@ -8,8 +8,9 @@ token record a learner needs (``None`` for agents that keep none, such as script
 A *generation backend* is token ids in, token ids and per-token log-probs out; LoRA adapters are
 published to it by version with ``set_adapter``. See ``streamrl.agents.hf_backend`` (embedded default)
 and ``streamrl.agents.vllm_backend`` (fast path). What both backends check and derive the same way lives
-here: ``check_score_inputs`` and ``request_seeds``. ``derive_seed`` makes stable seeds from a run seed, e.g. the
-one an ``LLMAgent`` samples each (episode, turn) with.
+here: ``check_score_inputs``, ``request_seeds`` and, for generation constrained to a set of token strings
+(``generate(..., choices=...)``), ``check_choices`` and ``allowed_next_tokens``. ``derive_seed`` makes stable
+seeds from a run seed, e.g. the one an ``LLMAgent`` samples each (episode, turn) with.
 """
 
 from __future__ import annotations
@@ -111,9 +112,17 @@ class GenerationBackend(Protocol):
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
         seeds: Sequence[int] | None = None,
+        choices: Sequence[Sequence[Sequence[int]] | None] | None = None,
     ) -> list[Generation]:
         """Complete every prompt (batched where the engine can). ``seeds[i]``, when given, seeds prompt ``i``'s
-        sample whatever else shares the call (it overrides ``params.seed``; see ``request_seeds``)."""
+        sample whatever else shares the call (it overrides ``params.seed``; see ``request_seeds``).
+
+        ``choices[i]``, when given and not ``None``, constrains prompt ``i``'s completion to one of those token
+        id sequences (a prefix of one when the budget runs out): each step samples from the model's
+        distribution renormalized over ``allowed_next_tokens`` (``-inf`` elsewhere, before temperature and
+        top-k / top-p), and the reported log-probs are of that renormalized distribution, which the learner
+        recomputes from the same sets (``TokenSequence.choice_ids``). A backend that cannot constrain raises
+        ``ValueError`` when a prompt is constrained."""
         ...
 
     def score(self, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]) -> list[list[float]]:
@@ -144,6 +153,38 @@ def check_score_inputs(sequences: Sequence[Sequence[int]], prompt_lengths: Seque
     for i, (seq, p) in enumerate(zip(sequences, prompt_lengths, strict=True)):
         if not 1 <= p <= len(seq):
             raise ValueError(f"prompt_lengths[{i}]={p} must be in [1, len(sequence)={len(seq)}]")
+
+
+def check_choices(
+    count: int, choices: Sequence[Sequence[Sequence[int]] | None] | None
+) -> list[list[list[int]] | None]:
+    """``choices`` of a ``generate`` call of ``count`` prompts as lists, or ``ValueError`` naming the entry: one
+    entry per prompt, ``None`` (unconstrained) or at least one non-empty token id sequence."""
+    if choices is None:
+        return [None] * count
+    if len(choices) != count:
+        raise ValueError(f"{count} prompts but {len(choices)} choice lists")
+    out: list[list[list[int]] | None] = []
+    for i, options in enumerate(choices):
+        if options is None:
+            out.append(None)
+            continue
+        listed = [[int(t) for t in option] for option in options]
+        if not listed:
+            raise ValueError(f"choices[{i}] is empty; pass None for an unconstrained prompt")
+        for j, option in enumerate(listed):
+            if not option:
+                raise ValueError(f"choices[{i}][{j}] is empty; every choice needs at least one token")
+        out.append(listed)
+    return out
+
+
+def allowed_next_tokens(choices: Sequence[Sequence[int]], prefix: Sequence[int]) -> list[int]:
+    """The token ids that continue ``prefix`` towards one of ``choices`` (sorted; empty once ``prefix`` is a
+    whole choice that no longer choice extends, or when it has left every choice)."""
+    n = len(prefix)
+    head = list(prefix)
+    return sorted({int(c[n]) for c in choices if len(c) > n and list(c[:n]) == head})
 
 
 def request_seeds(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from streamrl.agents.trajectory import TokenSequence
@@ -33,6 +34,12 @@ class TokenBatch:
     """``[B, T-1]`` float32; the rollout engine's log-prob of each action token, 0 elsewhere."""
     token_versions: torch.Tensor
     """``[B, T-1]`` long; the adapter version that generated each action token, -1 elsewhere."""
+    choice_index: torch.Tensor | None = None
+    """``[B, T-1]`` long, or ``None`` when no token was generated under a constraint: the row of
+    ``choice_sets`` listing the ids allowed where the predicted token was constrained, 0 (no constraint)
+    elsewhere (``TokenSequence.choice_ids``)."""
+    choice_sets: torch.Tensor | None = None
+    """``[K + 1, W]`` long, -1-padded; row 0 is empty (unconstrained), row k the k-th allowed-id list."""
 
     @property
     def target_mask(self) -> torch.Tensor:
@@ -57,7 +64,20 @@ class TokenBatch:
         return int(self.input_ids.shape[0])
 
     def to(self, device: torch.device | str) -> TokenBatch:
-        return TokenBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        moved: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            moved[f.name] = None if value is None else value.to(device)
+        return TokenBatch(**moved)
+
+    def allowed(self, select: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``[select.sum(), W]`` long: per selected position (``action_mask`` by default), the token ids its
+        policy was constrained to, -1-padded (a row of -1 where unconstrained); ``None`` without constraints.
+        What ``streamrl.agents.logprobs.selected_token_logprobs(allowed=...)`` takes."""
+        if self.choice_index is None or self.choice_sets is None:
+            return None
+        select = self.action_mask if select is None else select
+        return self.choice_sets[self.choice_index[select]]
 
     def scatter(self, values: torch.Tensor, select: torch.Tensor | None = None) -> torch.Tensor:
         """Place per-selected-position ``values`` (e.g. ``selected_token_logprobs`` output) into a ``[B, T-1]``
@@ -120,10 +140,31 @@ def collate(
         action[row, :k] = torch.as_tensor(seq.action_mask, dtype=torch.bool)
         rollout[row, :k] = torch.as_tensor(seq.rollout_logprobs, dtype=torch.float32)
         versions[row, :k] = torch.as_tensor(seq.token_versions, dtype=torch.long)
+    choice_index, choice_sets = _choices(sequences, width)
     return TokenBatch(
         input_ids=ids,
         attention_mask=attn,
         action_mask=action[:, 1:],
         rollout_logprobs=rollout[:, 1:],
         token_versions=versions[:, 1:],
+        choice_index=choice_index,
+        choice_sets=choice_sets,
     )
+
+
+def _choices(
+    sequences: Sequence[TokenSequence], width: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``TokenBatch.choice_index`` / ``choice_sets`` of ``sequences`` (shifted to predictions), each distinct
+    allowed-id list stored once; ``(None, None)`` when no sequence has a constrained token."""
+    if not any(s.choice_positions for s in sequences):
+        return None, None
+    rows: dict[tuple[int, ...], int] = {(): 0}
+    index = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        for p, allowed in zip(seq.choice_positions, seq.choice_ids, strict=True):
+            index[row, p] = rows.setdefault(tuple(allowed), len(rows))
+    sets = torch.full((len(rows), max(len(k) for k in rows)), -1, dtype=torch.long)
+    for key, k in rows.items():
+        sets[k, : len(key)] = torch.as_tensor(key, dtype=torch.long)
+    return index[:, 1:], sets

@@ -52,13 +52,28 @@ class EnvSpec:
     state stays as it was), for the slip-and-recover demonstrations of ``SFTConfig.expert_slips``; ``None``
     from the callable when the action has no such near miss, ``None`` here when the env has none."""
 
-    def llm_agent(self, backend: GenerationBackend, sampling: SamplingParams | None = None) -> LLMAgent:
+    def llm_agent(
+        self,
+        backend: GenerationBackend,
+        sampling: SamplingParams | None = None,
+        *,
+        constrain_actions: bool = False,
+        tokenizer: Any = None,
+    ) -> LLMAgent:
         """An ``LLMAgent`` on ``backend`` with this env's prompt format and context policy; ``sampling``
-        defaults to temperature 1 and the spec's ``max_new_tokens``."""
+        defaults to temperature 1 and the spec's ``max_new_tokens``; ``constrain_actions`` restricts its
+        actions to the prompt format's ``action_choices`` (``LLMAgent``)."""
         # No run seed by default: the backend's own generator (HFBackendConfig.seed) draws; pass sampling with
         # a seed for per-episode, per-turn seeds derived from it (LLMAgent).
         sampling = sampling or SamplingParams(max_new_tokens=self.max_new_tokens)
-        return LLMAgent(backend, prompt_format=self.prompt(), sampling=sampling, context=self.context)
+        return LLMAgent(
+            backend,
+            tokenizer=tokenizer,
+            prompt_format=self.prompt(),
+            sampling=sampling,
+            context=self.context,
+            constrain_actions=constrain_actions,
+        )
 
 
 def _alfworld_expert(env: Any) -> Agent:

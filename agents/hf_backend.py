@@ -13,6 +13,9 @@ model's KV cache rather than ``model.generate``, because RL needs things ``gener
   vLLM does for seeded requests), so a prompt's sample is reproducible whatever else shares its batch.
 - stop strings checked on the decoded tail of each row; the token that completes a stop string is kept (a
   token cannot be cut), ``Generation.extra["stop"]`` names what stopped it.
+- generation constrained to given token sequences (``choices``, e.g. an env's admissible commands): every
+  step masks the logits outside the tokens that continue some choice, and a row that has written a whole
+  choice stops (``extra["stop"] == "choice"`` when no stop id ended it).
 
 Batches are left-padded with explicit position ids ``cumsum(attention_mask) - 1`` (docs/platform.md §2), and
 rows that finish leave the batch (their KV-cache rows are dropped).
@@ -45,6 +48,8 @@ from streamrl.agents.base import (
     FinishReason,
     Generation,
     SamplingParams,
+    allowed_next_tokens,
+    check_choices,
     check_score_inputs,
     request_seeds,
 )
@@ -311,11 +316,14 @@ class HFBackend:
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
         seeds: Sequence[int] | None = None,
+        choices: Sequence[Sequence[Sequence[int]] | None] | None = None,
     ) -> list[Generation]:
-        """Complete every prompt; see the module doc for what the log-probs and seeds mean."""
+        """Complete every prompt; see the module doc for what the log-probs and seeds mean, and
+        ``GenerationBackend.generate`` for ``choices`` (completions constrained to token id sequences)."""
         self._check_open()
         if not prompts:
             return []
+        options = check_choices(len(prompts), choices)
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompts[{i}] is empty; a prompt needs at least one token")
@@ -328,11 +336,19 @@ class HFBackend:
             out: list[Generation] = []
             for start in range(0, len(prompts), self.config.max_batch_size):
                 stop = start + self.config.max_batch_size
-                out.extend(self._generate_chunk(prompts[start:stop], row_seeds[start:stop], params))
+                out.extend(
+                    self._generate_chunk(
+                        prompts[start:stop], row_seeds[start:stop], params, options[start:stop]
+                    )
+                )
             return out
 
     def _generate_chunk(
-        self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], params: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        seeds: Sequence[int],
+        params: SamplingParams,
+        choices: Sequence[list[list[int]] | None],
     ) -> list[Generation]:
         from transformers import DynamicCache
 
@@ -366,6 +382,10 @@ class HFBackend:
             ).logits[:, -1]
             last_pos = positions[:, -1]
             while True:
+                if any(choices[r] is not None for r in active):
+                    logits = self._constrain(
+                        logits, [choices[r] for r in active], [tokens[r] for r in active]
+                    )
                 lp = sampling_logprobs(logits, params)
                 if params.greedy:
                     chosen = lp.argmax(-1)
@@ -386,6 +406,9 @@ class HFBackend:
                     reason, what = self._finished(
                         tokens[row], token, stop_ids, params, stop_tail, budgets[row]
                     )
+                    if reason != "stop" and choices[row] is not None:
+                        if not allowed_next_tokens(choices[row], tokens[row]):  # a whole choice, no stop id
+                            reason, what = "stop", "choice"
                     if reason is None:
                         keep.append(j)
                     else:
@@ -413,6 +436,20 @@ class HFBackend:
                     use_cache=True,
                 ).logits[:, -1]
         return [r for r in results if r is not None]
+
+    @staticmethod
+    def _constrain(
+        logits: torch.Tensor, choices: Sequence[list[list[int]] | None], generated: Sequence[list[int]]
+    ) -> torch.Tensor:
+        """``logits`` with ``-inf`` outside each constrained row's ``allowed_next_tokens``, so that sampling,
+        greedy and the reported log-probs all follow the renormalized distribution. A row has always at least
+        one allowed token here: a generation stops as soon as its prefix is a whole choice (``_finished``)."""
+        allow = torch.ones_like(logits, dtype=torch.bool)
+        for j, (options, prefix) in enumerate(zip(choices, generated, strict=True)):
+            if options is not None:
+                allow[j] = False
+                allow[j, allowed_next_tokens(options, prefix)] = True
+        return logits.masked_fill(~allow, float("-inf"))
 
     def _finished(
         self,

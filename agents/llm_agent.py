@@ -23,6 +23,14 @@ samples, and a run replays exactly from its seed and episode ids. The seed is ke
 ``TurnRecord.seed``: a turn's tokens are ``backend.generate([prompt], params, seeds=[seed])``. With
 ``sampling.seed=None`` the backend's own generator draws every seed (``TurnRecord.seed`` is then ``None``).
 
+Constrained actions: ``constrain_actions=True`` makes every turn one of the prompt format's
+``action_choices(info)`` (ALFWorld: the admissible commands), each followed by the end-of-turn token: the
+backend samples only tokens that continue one of them (``GenerationBackend.generate(choices=...)``) and the
+sequence records which ids were allowed at each generated token (``TokenSequence.choice_ids``), so that the
+learner scores the renormalized distribution the tokens were drawn from. The policy then never writes an
+inadmissible command; a turn whose info lists no choices is generated unconstrained. HF backends (local or
+as Ray engines) constrain; vLLM's raises.
+
 Lost generations: a backend that loses a request (``Generation.error``: a rollout engine died) gets no turn
 recorded for it; ``lost(episode_id)`` says why, and the episode must end there (the runtime ends it as failed).
 
@@ -35,12 +43,20 @@ returns; whoever steps the env itself (a vector env's runtime) calls ``Trajector
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from streamrl.agents.base import EpisodeId, Generation, GenerationBackend, SamplingParams, derive_seed
+from streamrl.agents.base import (
+    EpisodeId,
+    Generation,
+    GenerationBackend,
+    SamplingParams,
+    allowed_next_tokens,
+    derive_seed,
+)
 from streamrl.agents.prompts import PromptFormat
 from streamrl.agents.trajectory import CONTEXT_POLICIES, ContextMode, TokenSequence, Trajectory, TurnRecord
 
@@ -141,11 +157,13 @@ class LLMAgent:
         tokenizer: Any = None,
         sampling: SamplingParams | None = None,
         context: ContextPolicy | None = None,
+        constrain_actions: bool = False,
     ) -> None:
         """``prompt_format``: how observations become messages and replies become actions (e.g.
         ``ALFWorldPrompt()``, ``MathTIRPrompt()``); its stop strings are added to ``sampling.stop_strings``.
         ``tokenizer`` defaults to ``backend.tokenizer``; ``sampling`` to temperature 1 and 64 new tokens, its
-        ``seed`` being the run seed (module doc)."""
+        ``seed`` being the run seed (module doc). ``constrain_actions``: generate only the prompt format's
+        ``action_choices`` (module doc)."""
         self.backend = backend
         self.tokenizer: Any = tokenizer if tokenizer is not None else getattr(backend, "tokenizer", None)
         if self.tokenizer is None:
@@ -156,6 +174,18 @@ class LLMAgent:
         self.sampling = replace(base, stop_strings=stops)
         self.context = context or ContextPolicy()
         self.chat = ChatTokens(self.tokenizer)
+        self.constrain_actions = constrain_actions
+        if constrain_actions:
+            if not callable(getattr(prompt_format, "action_choices", None)):
+                raise ValueError(
+                    f"constrain_actions=True needs a prompt format with action_choices(info) (e.g. "
+                    f"ALFWorldPrompt); {type(prompt_format).__name__} has none"
+                )
+            if "choices" not in inspect.signature(backend.generate).parameters:
+                raise ValueError(
+                    f"constrain_actions=True needs a backend whose generate takes choices= (HFBackend, "
+                    f"RayEngines of HF engines); {type(backend).__name__}.generate does not"
+                )
         self._episodes: dict[EpisodeId, _Episode] = {}
         self._pending: dict[EpisodeId, tuple[str | None, Any]] = {}
 
@@ -240,6 +270,7 @@ class LLMAgent:
             raise ValueError(f"duplicate episode ids in one act call: {list(episode_ids)}")
         actions = [""] * len(observations)
         jobs: list[tuple[int, _Episode, list[int], int]] = []
+        options: dict[int, list[list[int]] | None] = {}
         for i, (obs, info, eid) in enumerate(zip(observations, infos, episode_ids, strict=True)):
             episode = self._episodes.get(eid)
             if episode is None:
@@ -254,6 +285,8 @@ class LLMAgent:
                 continue
             ids, start = prompt
             jobs.append((i, episode, ids, start))
+            if self.constrain_actions:
+                options[i] = self._choices(info)
 
         by_budget: dict[int, list[tuple[int, _Episode, list[int], int]]] = {}
         for job in jobs:
@@ -267,14 +300,21 @@ class LLMAgent:
                     derive_seed(params.seed, e.episode_id, len(e.trajectory.turns)) for _, e, _, _ in group
                 ]
             started = time.perf_counter()
-            generations = self.backend.generate([ids for _, _, ids, _ in group], params, seeds)
+            prompts = [ids for _, _, ids, _ in group]
+            if self.constrain_actions:
+                choices = [options[i] for i, _, _, _ in group]
+                generations = self.backend.generate(prompts, params, seeds, choices=choices)
+            else:
+                generations = self.backend.generate(prompts, params, seeds)
             seconds = time.perf_counter() - started
             for j, ((i, episode, ids, start), gen) in enumerate(zip(group, generations, strict=True)):
                 if gen.error is not None:  # no turn to record: the episode ends here (``lost``)
                     episode.lost = gen.error
                     continue
                 seed = None if seeds is None else seeds[j]
-                actions[i] = self._record_turn(episode, ids, start, gen, seed, seconds, infos[i])
+                actions[i] = self._record_turn(
+                    episode, ids, start, gen, seed, seconds, infos[i], options.get(i)
+                )
         now = time.perf_counter()
         for eid in episode_ids:
             self._episodes[eid].last_return = now
@@ -289,8 +329,19 @@ class LLMAgent:
         seed: int | None,
         seconds: float,
         info: Mapping[str, Any],
+        choices: list[list[int]] | None = None,
     ) -> str:
         trajectory = episode.trajectory
+        allowed = None
+        if choices is not None:
+            generated = list(gen.token_ids)
+            allowed = [allowed_next_tokens(choices, generated[:j]) for j in range(len(generated))]
+            stray = next((j for j, a in enumerate(allowed) if generated[j] not in a), None)
+            if stray is not None:
+                raise RuntimeError(
+                    f"{type(self.backend).__name__} ignored the action constraint: generated token {stray} "
+                    f"({generated[stray]}) continues none of the {len(choices)} choices"
+                )
         if self.context.mode == "full":
             if episode.sequence is None:
                 episode.sequence = TokenSequence()
@@ -301,7 +352,9 @@ class LLMAgent:
             sequence = TokenSequence()
             trajectory.sequences.append(sequence)
             prompt_span = sequence.extend_context(prompt)
-        action_span = sequence.extend_action(list(gen.token_ids), list(gen.logprobs), gen.adapter_version)
+        action_span = sequence.extend_action(
+            list(gen.token_ids), list(gen.logprobs), gen.adapter_version, allowed
+        )
         episode.last_generated = list(gen.token_ids)
         text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
         parsed = self.prompt_format.parse_action(text, info)
@@ -322,6 +375,15 @@ class LLMAgent:
         )
         trajectory.timings["generation_s"] += seconds
         return parsed.action
+
+    def _choices(self, info: Mapping[str, Any]) -> list[list[int]] | None:
+        """The token ids of each of the prompt format's ``action_choices(info)``, ending with the end-of-turn
+        token (as an expert's reply is tokenized for SFT); ``None`` when it lists none (unconstrained turn)."""
+        texts = self.prompt_format.action_choices(info)  # type: ignore[attr-defined]
+        if not texts:
+            return None
+        eos = [] if self.chat.eos_token_id is None else [int(self.chat.eos_token_id)]
+        return [self.chat.encode(str(t)) + eos for t in dict.fromkeys(texts)]
 
     def _record_empty_turn(self, episode: _Episode) -> None:
         episode.trajectory.turns.append(

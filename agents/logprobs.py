@@ -54,6 +54,7 @@ def selected_token_logprobs(
     *,
     with_entropy: bool = False,
     temperature: float = 1.0,
+    allowed: torch.Tensor | None = None,
 ) -> Any:
     """``token_logprobs(...)[select]`` without computing logits anywhere else, shape ``[select.sum()]``.
 
@@ -61,9 +62,14 @@ def selected_token_logprobs(
     vocabulary projection and log-softmax -- most of the cost and memory of a small model with a large vocabulary
     -- run only on the selected hidden states. Differentiable; works through a peft wrapper.
 
-    With ``with_entropy`` it returns ``(logprobs, entropy)``: the entropy of the model's full next-token
-    distribution at each selected position (a training diagnostic; it costs no second projection).
+    With ``with_entropy`` it returns ``(logprobs, entropy)``: the entropy of the scored next-token distribution
+    at each selected position (a training diagnostic; it costs no second projection).
     ``temperature`` scores under softmax(logits / T), the distribution a sampler at temperature T draws from.
+
+    ``allowed`` (``[select.sum(), W]`` long, -1-padded; ``TokenBatch.allowed``) scores a constrained policy:
+    at a position with allowed ids, the distribution renormalized over them (``log p(t) - logsumexp`` of their
+    log-probs; the gradient flows through the normalizer too), and the entropy is that distribution's; a row
+    of -1 leaves its position unconstrained.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to score a sampling policy, got {temperature}")
@@ -73,10 +79,17 @@ def selected_token_logprobs(
     if temperature != 1.0:
         logits = logits / temperature
     targets = input_ids[:, 1:][select]
+    if allowed is not None:
+        if allowed.shape[0] != logits.shape[0]:
+            raise ValueError(f"allowed has {allowed.shape[0]} rows; select has {logits.shape[0]} positions")
+        valid = allowed >= 0
+        hits = torch.zeros_like(logits).scatter_add_(-1, allowed.clamp(min=0), valid.to(logits.dtype))
+        inside = (hits > 0) | ~valid.any(-1, keepdim=True)
+        logits = logits.masked_fill(~inside, float("-inf"))
     log_probs = torch.log_softmax(logits, dim=-1)
     selected = log_probs.gather(-1, targets[:, None]).squeeze(-1)
     if not with_entropy:
         return selected
     with torch.no_grad():
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
+        entropy = -(log_probs.exp() * log_probs.masked_fill(torch.isinf(log_probs), 0.0)).sum(-1)
     return selected, entropy

@@ -14,6 +14,9 @@ not an episode.
   or checks its answer), valid exactly when the env's own parser (``streamrl.envs.math_tir.parse_turn``)
   accepts it; anything the model writes after an opened ```output fence is cut, since that output must come
   from the tool, not the model.
+
+A format may also define ``action_choices(info) -> list[str]``, the actions a constrained policy picks among
+(``LLMAgent(constrain_actions=True)``); ``ALFWorldPrompt`` does (the admissible commands).
 """
 
 from __future__ import annotations
@@ -105,6 +108,11 @@ class ALFWorldPrompt:
                     "\n" + "\n".join(lines) if self.one_command_per_line else " " + ", ".join(lines)
                 )
         return text
+
+    def action_choices(self, info: Mapping[str, Any]) -> list[str]:
+        """The commands a constrained policy chooses among (``LLMAgent(constrain_actions=True)``): the game's
+        admissible commands, listed in the prompt or not."""
+        return [str(c) for c in info.get("admissible_commands") or []]
 
     def parse_action(self, text: str, info: Mapping[str, Any]) -> ParsedAction:
         line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")

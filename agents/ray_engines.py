@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeAlias
 
-from streamrl.agents.base import Generation, SamplingParams, request_seeds
+from streamrl.agents.base import Generation, SamplingParams, check_choices, request_seeds
 from streamrl.agents.hf_backend import HFBackend, HFBackendConfig, load_weights
 from streamrl.agents.models import load_tokenizer, resolve_model
 from streamrl.agents.vllm_backend import (
@@ -129,9 +129,15 @@ class RolloutEngine:
         return {"pid": os.getpid(), "node": node_address(), "dtype": self.dtype}
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int]
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seeds: Sequence[int],
+        choices: Sequence[Sequence[Sequence[int]] | None] | None = None,
     ) -> list[Generation]:
-        return list(self.backend.generate(prompts, params, seeds))
+        if choices is None:
+            return list(self.backend.generate(prompts, params, seeds))
+        return list(self.backend.generate(prompts, params, seeds, choices=choices))
 
     def score(self, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]) -> list[list[float]]:
         return list(self.backend.score(sequences, prompt_lengths))
@@ -356,17 +362,26 @@ class RayEngines:
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
         seeds: Sequence[int] | None = None,
+        choices: Sequence[Sequence[Sequence[int]] | None] | None = None,
     ) -> list[Generation]:
-        """Complete every prompt on the least loaded engines; lost requests come back marked (module doc)."""
+        """Complete every prompt on the least loaded engines; lost requests come back marked (module doc).
+        ``choices`` constrain prompts as ``GenerationBackend.generate`` says (HF engines only)."""
         self._check_open()
         if not prompts:
             return []
+        options = check_choices(len(prompts), choices)
         with self._lock:
             row_seeds = request_seeds(len(prompts), params, self._seeds, seeds)
             calls = []
             for slot, rows in self._route(len(prompts)):
                 sub_prompts = [list(prompts[i]) for i in rows]
-                call = slot.actor.generate.remote(sub_prompts, params, [row_seeds[i] for i in rows])
+                sub_seeds = [row_seeds[i] for i in rows]
+                if choices is None:
+                    call = slot.actor.generate.remote(sub_prompts, params, sub_seeds)
+                else:
+                    call = slot.actor.generate.remote(
+                        sub_prompts, params, sub_seeds, [options[i] for i in rows]
+                    )
                 slot.load += len(rows)
                 calls.append((slot, slot.actor, rows, call))
         out: list[Generation | None] = [None] * len(prompts)

@@ -139,7 +139,8 @@ def play_lockstep(agent: Agent, envs: Sequence[gym.Env], task_ids: Sequence[str]
     Each round resets one env per task (``options={"task_id": ...}``), then asks ``agent`` for the actions
     of all live episodes in one ``act`` call per turn (one batched generation for an ``LLMAgent``) until every
     episode of the round has ended. Episode ids are the env slots ``0 .. len(envs) - 1``. The envs stay open.
-    Used by evaluation and by SFT model selection, so both count the same way.
+    An agent's record (``end_episode``) comes back complete, as from ``play_episode``. Used by evaluation and
+    by SFT model selection, so both count the same way.
     """
     if not envs:
         raise ValueError("play_lockstep needs at least one env")
@@ -147,18 +148,32 @@ def play_lockstep(agent: Agent, envs: Sequence[gym.Env], task_ids: Sequence[str]
     for start in range(0, len(task_ids), len(envs)):
         batch = task_ids[start : start + len(envs)]
         live: dict[int, tuple[str, dict[str, Any]]] = {}
+        returns: dict[int, float] = {}
         for slot, task_id in enumerate(batch):
             live[slot] = envs[slot].reset(options={"task_id": task_id})
+            returns[slot] = 0.0
         while live:
             slots = sorted(live)
             actions = agent.act([live[s][0] for s in slots], [live[s][1] for s in slots], slots)
             for slot, action in zip(slots, actions, strict=True):
-                obs, _, terminated, truncated, info = envs[slot].step(action)
+                obs, reward, terminated, truncated, info = envs[slot].step(action)
                 steps += 1
+                returns[slot] += float(reward)
                 valid += bool(info.get("action_valid", True))
                 if terminated or truncated:
-                    wins += bool(info.get("won", False))
-                    agent.end_episode(slot)
+                    won = bool(info.get("won", False))
+                    wins += won
+                    record = agent.end_episode(slot)
+                    if record is not None:
+                        record.set_outcome(
+                            returns[slot],
+                            won,
+                            terminated,
+                            truncated,
+                            info,
+                            last_observation=obs,
+                            last_action_valid=bool(info.get("action_valid", True)),
+                        )
                     del live[slot]
                 else:
                     live[slot] = (obs, info)

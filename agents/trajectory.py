@@ -35,12 +35,23 @@ room to generate, "" when unknown."""
 
 @dataclass
 class TokenSequence:
-    """One training sequence; the four lists have equal length."""
+    """One training sequence; the four per-token lists have equal length.
+
+    Action tokens generated under a constraint (``LLMAgent(constrain_actions=True)``: each step chose among
+    the tokens that continue one of the env's admissible commands) list, at ``choice_positions``, the token
+    ids ``choice_ids`` that were allowed there: the policy at such a token is the model's distribution
+    renormalized over those ids, which is what its rollout log-prob is of and what the learner scores
+    (``TokenBatch.allowed``). Unconstrained tokens are not listed.
+    """
 
     token_ids: list[int] = field(default_factory=list)
     action_mask: list[int] = field(default_factory=list)
     rollout_logprobs: list[float] = field(default_factory=list)
     token_versions: list[int] = field(default_factory=list)
+    choice_positions: list[int] = field(default_factory=list)
+    """Ascending indices of constrained action tokens."""
+    choice_ids: list[list[int]] = field(default_factory=list)
+    """Per constrained token, the sorted token ids allowed there (the token itself among them)."""
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -54,11 +65,23 @@ class TokenSequence:
         self.token_versions.extend([-1] * len(ids))
         return start, len(self.token_ids)
 
-    def extend_action(self, ids: list[int], logprobs: list[float], version: int) -> tuple[int, int]:
-        """Append policy-generated tokens with their rollout log-probs; return their span."""
+    def extend_action(
+        self,
+        ids: list[int],
+        logprobs: list[float],
+        version: int,
+        allowed: list[list[int]] | None = None,
+    ) -> tuple[int, int]:
+        """Append policy-generated tokens with their rollout log-probs; return their span. ``allowed``: for a
+        constrained generation, the token ids allowed at each generated token (class doc)."""
         if len(ids) != len(logprobs):
             raise ValueError(f"{len(ids)} generated tokens but {len(logprobs)} log-probs")
         start = len(self.token_ids)
+        if allowed is not None:
+            if len(allowed) != len(ids):
+                raise ValueError(f"{len(ids)} generated tokens but {len(allowed)} allowed-token lists")
+            self.choice_positions.extend(range(start, start + len(ids)))
+            self.choice_ids.extend(sorted(int(t) for t in a) for a in allowed)
         self.token_ids.extend(ids)
         self.action_mask.extend([1] * len(ids))
         self.rollout_logprobs.extend(logprobs)
@@ -90,6 +113,21 @@ class TokenSequence:
                 raise ValueError(
                     f"{where}: non-action token {i} has rollout_logprob {lp} / version {v}; expected 0.0 / -1"
                 )
+        if len(self.choice_positions) != len(self.choice_ids):
+            raise ValueError(
+                f"{where}: {len(self.choice_positions)} choice_positions but {len(self.choice_ids)} choice_ids"
+            )
+        last = -1
+        for p, allowed in zip(self.choice_positions, self.choice_ids, strict=True):
+            if not last < p < n or not self.action_mask[p]:
+                raise ValueError(
+                    f"{where}: choice_positions must ascend over action tokens; {p} does not (after {last})"
+                )
+            if self.token_ids[p] not in allowed:
+                raise ValueError(
+                    f"{where}: token {p} ({self.token_ids[p]}) is not among the ids allowed there {allowed[:8]}"
+                )
+            last = p
 
 
 @dataclass

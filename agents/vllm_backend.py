@@ -60,7 +60,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from streamrl.agents.base import Generation, SamplingParams, check_score_inputs, request_seeds
+from streamrl.agents.base import (
+    Generation,
+    SamplingParams,
+    check_choices,
+    check_score_inputs,
+    request_seeds,
+)
 from streamrl.agents.models import load_tokenizer, resolve_model
 
 logger = logging.getLogger(__name__)
@@ -716,11 +722,13 @@ class VLLMBackend:
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
         seeds: Sequence[int] | None = None,
+        choices: Sequence[Sequence[Sequence[int]] | None] | None = None,
     ) -> list[Generation]:
         """Complete every prompt (all requests go to the engine at once and batch there)."""
         self._check_open()
         if not prompts:
             return []
+        _refuse_choices(len(prompts), choices)
         return self._run(self._generate(prompts, params, seeds))
 
     def score(self, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]) -> list[list[float]]:
@@ -741,11 +749,13 @@ class VLLMBackend:
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
         seeds: Sequence[int] | None = None,
+        choices: Sequence[Sequence[Sequence[int]] | None] | None = None,
     ) -> list[Generation]:
         """``generate`` as a coroutine; awaiting it from another event loop is fine."""
         self._check_open()
         if not prompts:
             return []
+        _refuse_choices(len(prompts), choices)
         return await self._wrap(self._generate(prompts, params, seeds))
 
     async def ascore(
@@ -781,6 +791,17 @@ class VLLMBackend:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _refuse_choices(count: int, choices: Sequence[Sequence[Sequence[int]] | None] | None) -> None:
+    """``ValueError`` when a prompt is constrained to ``choices``: this backend does not constrain generation.
+    (vLLM's structured outputs constrain the *text*, whatever its tokenization, and report log-probs before
+    the constraint: neither is the token-level renormalized policy the learner rescores.)"""
+    if any(c is not None for c in check_choices(count, choices)):
+        raise ValueError(
+            "VLLMBackend cannot constrain generation to choices (constrain_actions=True); "
+            "use the HF backend (HFBackend) for constrained actions"
+        )
 
 
 __all__ = [

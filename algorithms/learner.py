@@ -22,6 +22,10 @@ single-rank update up to float rounding. With ``sharding="fsdp"`` each rank hold
 forward is a collective and the ranks run equally many (filler forwards pad the lighter ones); the full state
 is gathered to rank 0 for saves (``streamrl.algorithms.distributed``).
 
+Constrained actions (``LLMAgent(constrain_actions=True)``): tokens sampled among an allowed set
+(``TokenSequence.choice_ids``) are scored under the model's distribution renormalized over that set, the
+distribution they were sampled from, in the old log-probs and in the training forward alike.
+
 Precision: fp32 on CPU; bf16 autocast on CUDA (log-probs and losses in fp32). Parameters: LoRA adapters
 (peft) or the full model (``LearnerConfig.finetune``; "auto" picks full fine-tuning below
 ``full_finetune_max_params`` parameters, where an adapter's rank limits a tiny model more than it saves).
@@ -358,6 +362,7 @@ class Learner:
                 batch.action_mask,
                 with_entropy=with_entropy,
                 temperature=self.temperature,
+                allowed=batch.allowed(),  # tokens sampled under a constraint: scored as they were sampled
             )
 
     def _matching_forwards(self, forwards: int) -> int:

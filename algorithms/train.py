@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from streamrl.agents.base import GenerationBackend, SamplingParams, derive_seed
-from streamrl.agents.llm_agent import LLMAgent
 from streamrl.agents.trajectory import Trajectory
 from streamrl.algorithms.base import Algorithm, Episode, SetupContext, algorithm_class, make_algorithm
 from streamrl.algorithms.learner import Learner, LearnerConfig
@@ -107,6 +106,10 @@ class TrainConfig:
     """n_0: rollouts per task of the initial policy that initialize the prompt values (0 = uniform prior)."""
     temperature: float = 1.0
     """Rollout sampling temperature (the learner scores under the same temperature)."""
+    constrain_actions: bool = False
+    """Rollouts and evaluations choose among the env's actions (``LLMAgent(constrain_actions=True)``: the prompt
+    format's ``action_choices``, ALFWorld's admissible commands); the learner scores the renormalized policy
+    they sample from. HF backend only."""
     max_new_tokens: int | None = None
     """Tokens per turn; ``None`` = the env's default."""
     env_kwargs: Mapping[str, Any] = field(default_factory=dict)
@@ -431,6 +434,15 @@ class Trainer:
                 raise ConfigError(f"num_envs={c.num_envs} cannot hold one group of group_size={g}")
         elif g != 1:
             raise ConfigError(f"group_size={g} needs batch_rule='groups'")
+        if c.constrain_actions and c.backend == "vllm":
+            raise ConfigError(
+                "constrain_actions=True needs the hf backend: vLLM's structured outputs are not the token-level "
+                "constraint the learner rescores"
+            )
+        if c.constrain_actions and not callable(getattr(ENV_SPECS[c.env].prompt(), "action_choices", None)):
+            raise ConfigError(
+                f"constrain_actions=True: the {c.env} env's prompt format has no action_choices to choose among"
+            )
         if c.backend == "vllm" and c.learner.finetune == "full":
             raise ConfigError(
                 "the vllm backend loads LoRA adapters; use learner.finetune='lora' (or 'auto' on a large model)"
@@ -446,6 +458,7 @@ class Trainer:
             # saved before the field: it started from the preset of its time, which the checkpoint cannot tell
             # (no "start" in its state either), so it resumes only with the preset
             saved.setdefault("sft", {})
+            saved.setdefault("constrain_actions", False)  # saved before the field: unconstrained
             for values in (saved, mine):  # how the ranks hold the policy is placement: checkpoints are full
                 (values.get("learner") or {}).pop("sharding", None)
             changed = sorted(
@@ -571,12 +584,8 @@ class Trainer:
         self.sampling = SamplingParams(
             temperature=c.temperature, max_new_tokens=max_new, seed=derive_seed(c.seed, "sampling")
         )
-        self.agent = LLMAgent(
-            self.backend,
-            tokenizer=self.tokenizer,
-            prompt_format=self.spec.prompt(),
-            sampling=self.sampling,
-            context=self.spec.context,
+        self.agent = self.spec.llm_agent(
+            self.backend, self.sampling, constrain_actions=c.constrain_actions, tokenizer=self.tokenizer
         )
 
         try:
@@ -1083,12 +1092,8 @@ class Trainer:
             **{**self.spec.env_kwargs, **self.config.env_kwargs},
         )
         sampling = replace(self.sampling, temperature=temperature, seed=seed)
-        agent = LLMAgent(
-            self.backend,
-            tokenizer=self.tokenizer,
-            prompt_format=self.spec.prompt(),
-            sampling=sampling,
-            context=self.spec.context,
+        agent = self.spec.llm_agent(
+            self.backend, sampling, constrain_actions=self.config.constrain_actions, tokenizer=self.tokenizer
         )
         return Rollouts(venv, agent, seed=seed, lockstep=True)
 

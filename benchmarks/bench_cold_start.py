@@ -8,7 +8,10 @@ played:
 - Math-TIR: the ``test`` split (its 50 tasks of the SFT families), greedy and sampled at temperature 1;
 - ALFWorld: ``eval_seen`` and ``eval_unseen`` (the env's 50-step limit), sampled at temperature 1 and greedy,
   and per episode whether it ended looping on one invalid command (its last ``--loop-min`` actions the same
-  command, judged invalid by the env).
+  command, judged invalid by the env) or stuck (its last ``--loop-min`` actions two commands or fewer, valid or
+  not). ``--constrain-actions`` plays ALFWorld with ``LLMAgent(constrain_actions=True)``: every action one of
+  the admissible commands, so no invalid loop is possible and the stuck count says what is left of greedy
+  play's loops.
 
 Sampled play is seeded (``--eval-seed``), so a checkpoint's rates are reproducible too. Evaluation runs on
 ``--eval-threads`` torch threads; each build pins its own (``SFTConfig.threads``). The JSON records, per
@@ -76,32 +79,48 @@ def invalid_loop(actions: Sequence[str], valid: Sequence[bool | None], loop_min:
     return actions[-1] if any(v is False for v in valid[-loop_min:]) else None
 
 
+def cycle(actions: Sequence[str], won: bool, loop_min: int) -> tuple[str, ...] | None:
+    """The commands a lost episode ended cycling through: its last ``loop_min`` actions take at most two
+    distinct commands (one repeated, or two in turn: "go to A", "go to B", "go to A", ...), valid or not;
+    else ``None``. Greedy play that cannot loop on an invalid command (constrained) can still get stuck so."""
+    tail = actions[-loop_min:]
+    if won or len(tail) < loop_min or len(set(tail)) > 2:
+        return None
+    return tuple(sorted(set(tail)))
+
+
 def play(
     backend: Any, env: str, split: str, episodes: int, temperature: float, args: argparse.Namespace
 ) -> dict[str, Any]:
-    """Success of ``backend``'s ``LLMAgent`` on the first ``episodes`` tasks of ``split``, with loop counts."""
+    """Success of ``backend``'s ``LLMAgent`` on the first ``episodes`` tasks of ``split``, with loop counts
+    (``--constrain-actions``: the agent chooses among the admissible commands)."""
     from streamrl.agents.base import SamplingParams
     from streamrl.agents.env_specs import env_spec, play_tasks
 
     spec = env_spec(env)
     seed = None if temperature == 0 else args.eval_seed
     sampling = SamplingParams(max_new_tokens=spec.max_new_tokens, temperature=temperature, seed=seed)
-    agent = _Recorder(spec.llm_agent(backend, sampling))
+    agent = _Recorder(spec.llm_agent(backend, sampling, constrain_actions=args.constrain_actions))
     played = play_tasks(agent, env, split, episodes, args.eval_batch)
     loops = [
         invalid_loop([t.action for t in r.turns], [t.action_valid for t in r.turns], args.loop_min)
         for r in agent.records
     ]
     looped = [c for c in loops if c is not None]
+    cycles = [cycle([t.action for t in r.turns], r.won, args.loop_min) for r in agent.records]
+    stuck = [" | ".join(c) for c in cycles if c is not None]
     counts = dataclasses.asdict(played)  # episodes, wins, steps, valid_steps, seconds
     counts["seconds"] = round(counts["seconds"], 1)
     return {
         "split": split,
         "temperature": temperature,
+        "constrain_actions": args.constrain_actions,
         "success_rate": played.success_rate,
         "valid_action_rate": played.valid_steps / max(1, played.steps),
         "invalid_loops": len(looped),
         "looped_commands": collections.Counter(looped).most_common(5),
+        "stuck_cycles": len(stuck),
+        "stuck_commands": collections.Counter(stuck).most_common(5),
         **counts,
     }
 
@@ -204,12 +223,15 @@ def summarize(entries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     for env in dict.fromkeys(e["env"] for e in entries):
         rates: dict[str, dict[int, float]] = collections.defaultdict(dict)
         loops: dict[int, int] = {}
+        stuck: dict[int, int] = {}
         for e in (e for e in entries if e["env"] == env):
             for r in e["eval"]:
                 mode = "greedy" if r["temperature"] == 0 else "sampled"
                 rates[f"{r['split']}/{mode}"][e["seed"]] = r["success_rate"]
                 if mode == "greedy" and env == "alfworld":
                     loops[e["seed"]] = loops.get(e["seed"], 0) + r["invalid_loops"]
+                    if "stuck_cycles" in r:  # measured since 2026-12-02
+                        stuck[e["seed"]] = stuck.get(e["seed"], 0) + r["stuck_cycles"]
         bars = TARGETS.get(env, {})
         meets = all(
             min(by_seed.values()) >= bars[name.split("/")[1]]
@@ -229,6 +251,7 @@ def summarize(entries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                 for name, by_seed in rates.items()
             },
             **({"greedy_invalid_loops_by_seed": loops} if env == "alfworld" else {}),
+            **({"greedy_stuck_cycles_by_seed": stuck} if env == "alfworld" and stuck else {}),
             "targets": bars,
             "meets_targets": meets,
         }
@@ -259,6 +282,8 @@ def merge(files: Sequence[Path], output: Path) -> None:
         raise SystemExit(
             f"--merge: the files were run with different --set overrides: {[str(f) for f in files]}"
         )
+    if len({bool(r.get("constrain_actions")) for r in runs}) > 1:
+        raise SystemExit(f"--merge: some files were played with --constrain-actions, some not: {files}")
     entries = [e for r in runs for e in r["checkpoints"]]
     pairs = [(e["env"], e["seed"]) for e in entries]
     if len(set(pairs)) != len(pairs):
@@ -266,6 +291,7 @@ def merge(files: Sequence[Path], output: Path) -> None:
     result = {
         "command": [r["command"] for r in runs],
         "overrides": runs[0]["overrides"],
+        "constrain_actions": bool(runs[0].get("constrain_actions")),
         "platform": runs[0]["platform"],
         "wall_s": [r["wall_s"] for r in runs],
         "summary": summarize(entries),
@@ -296,6 +322,11 @@ def main() -> None:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="recipe field override"
     )
     parser.add_argument(
+        "--constrain-actions",
+        action="store_true",
+        help="play with LLMAgent(constrain_actions=True): each action one of the env's admissible commands",
+    )
+    parser.add_argument(
         "--compare", type=Path, help="an earlier result file: did the same recipes rebuild the same weights?"
     )
     parser.add_argument(
@@ -309,6 +340,10 @@ def main() -> None:
     if args.merge:
         merge(args.merge, args.output)
         return
+    if args.constrain_actions and "math_tir" in args.envs:
+        parser.error(
+            "--constrain-actions: Math-TIR's actions (text with code) have no choices; use --envs alfworld"
+        )
     overrides = {}
     for item in args.set:
         key, sep, value = item.partition("=")
@@ -326,6 +361,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "command": " ".join(["python", "benchmarks/bench_cold_start.py", *sys.argv[1:]]),
         "overrides": {k: v for k, v in overrides.items()},
+        "constrain_actions": args.constrain_actions,
         "platform": _platform(),
         "wall_s": round(time.perf_counter() - started, 1),
         "summary": summarize(entries),

@@ -61,6 +61,7 @@ def evaluate(
     sampling: SamplingParams | None = None,
     batch_size: int = 16,
     env_kwargs: Mapping[str, Any] | None = None,
+    constrain_actions: bool = False,
 ) -> dict[str, Any]:
     """Success rate of an ``LLMAgent`` on ``backend`` on the first ``episodes`` tasks of ``split``.
 
@@ -68,9 +69,10 @@ def evaluate(
     one call per turn. ``sampling`` defaults to temperature 1 with the env's generation budget;
     ``env_kwargs`` go to every env (e.g. ``tasks=`` for a generated task set). Returns ``env``, ``split``,
     ``episodes``, ``success_rate``, ``valid_action_rate`` (valid actions per step), ``mean_steps`` and
-    ``seconds``. (``streamrl sft`` reports this; ``run_evaluation`` is the full harness.)
+    ``seconds``. ``constrain_actions``: the agent chooses among the env's actions (``LLMAgent``). (``streamrl
+    sft`` reports this; ``run_evaluation`` is the full harness.)
     """
-    agent = env_spec(env_name).llm_agent(backend, sampling)
+    agent = env_spec(env_name).llm_agent(backend, sampling, constrain_actions=constrain_actions)
     played = play_tasks(agent, env_name, split, episodes, batch_size, env_kwargs)
     return {
         "env": env_name,
@@ -343,6 +345,9 @@ class EvalConfig:
     """k of pass@k; empty: 1 and the episodes per task. Values above a mode's episodes per task are skipped."""
     max_new_tokens: int | None = None
     """Tokens per turn; ``None``: the run's setting, else the env's default."""
+    constrain_actions: bool | None = None
+    """Let each agent choose only among the env's actions (``LLMAgent(constrain_actions=True)``: ALFWorld's
+    admissible commands; HF backend); ``None``: a ``run:`` agent as it was trained, every other unconstrained."""
     num_envs: int = 16
     """Episodes in flight at once (sub-envs of the streaming vector env)."""
     env_workers: EnvWorkers = "subprocess"
@@ -475,9 +480,11 @@ def play_split(
     env_kwargs: Mapping[str, Any],
     max_new_tokens: int,
     progress: Callable[[Any], None] | None = None,
+    constrain_actions: bool = False,
 ) -> list[EpisodeRecord]:
     """Play ``loaded`` on ``split`` of ``env``: every (task, seed, sample) episode of every temperature of
-    ``config`` (module doc), on one streaming vector env; the records in plan order."""
+    ``config`` (module doc), on one streaming vector env; the records in plan order. ``constrain_actions``:
+    the LLM agent chooses among the env's actions (``EvalConfig.constrain_actions``)."""
     from streamrl.agents.env_specs import make_env, task_ids_of
     from streamrl.algorithms.runtime import Job, Rollouts, collect
     from streamrl.envs.vector import StreamingVectorEnv, VectorEnvConfig
@@ -516,7 +523,7 @@ def play_split(
             else:
                 sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=0)
                 assert loaded.backend is not None
-                agent = spec.llm_agent(loaded.backend, sampling)
+                agent = spec.llm_agent(loaded.backend, sampling, constrain_actions=constrain_actions)
             jobs = [Job(t, episode_key(split, t, s, k)) for t, s, k in episodes]
             if len({j.key for j in jobs}) != len(jobs):  # 31-bit hashes: a collision is astronomically rare
                 raise RuntimeError(f"two episodes of {split} share a runtime key; change the seeds")
@@ -688,14 +695,23 @@ def run_evaluation(config: EvalConfig, log: Callable[[str], None] | None = None)
     agents: list[dict[str, Any]] = []
     task_counts: dict[str, int] = {}
     for label, agent_spec in zip("AB", specs, strict=False):
+        constrain = config.constrain_actions
+        if constrain is None:
+            run = read_run_config(agent_spec.name) if agent_spec.kind == "run" else {}
+            constrain = bool(run.get("constrain_actions", False))
         loaded = load_agent(agent_spec, env, device=config.device, backend=config.backend, log=log)
-        log(f"eval {label}: {loaded.description} on {env} {list(splits)}")
+        log(
+            f"eval {label}: {loaded.description} on {env} {list(splits)}"
+            + (" (actions constrained to the env's)" if constrain else "")
+        )
         bar = _progress_bar(config, label, env)
         tick = None if bar is None else (lambda _finished, bar=bar: bar.update(1))
         try:
             records: list[EpisodeRecord] = []
             for split in splits:
-                played = play_split(loaded, env, split, config, env_kwargs, max_new_tokens, tick)
+                played = play_split(
+                    loaded, env, split, config, env_kwargs, max_new_tokens, tick, constrain_actions=constrain
+                )
                 task_counts[split] = len({r.task_id for r in played})
                 records += played
         finally:
@@ -717,6 +733,7 @@ def run_evaluation(config: EvalConfig, log: Callable[[str], None] | None = None)
                 "label": label,
                 "agent": str(agent_spec),
                 "description": loaded.description,
+                "constrain_actions": constrain,
                 "results": results,
                 "episodes": [r.to_dict() for r in records],
             }

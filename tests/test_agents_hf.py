@@ -153,6 +153,76 @@ def test_selected_token_logprobs_equal_full_ones() -> None:
     assert torch.allclose(selected_token_logprobs(model, ids, mask, select), full, atol=1e-6)
 
 
+def _renormalized(model: object, sequence: list[int], start: int, options: list[list[int]]) -> list[float]:
+    """Oracle: log-prob of each token of ``sequence[start:]`` under the model's full softmax renormalized over
+    the tokens continuing one of ``options`` there (computed from the logits, not by the code under test)."""
+    from streamrl.agents.base import allowed_next_tokens
+
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([sequence])).logits[0].float()  # type: ignore[operator]
+    out = []
+    for j in range(start, len(sequence)):
+        lp = torch.log_softmax(logits[j - 1], -1)
+        allowed = allowed_next_tokens(options, sequence[start:j])
+        out.append(float(lp[sequence[j]] - torch.logsumexp(lp[allowed], -1)))
+    return out
+
+
+def test_generation_constrained_to_choices_samples_the_renormalized_policy(backend: HFBackend) -> None:
+    from streamrl.agents.base import allowed_next_tokens
+    from streamrl.agents.batch import collate
+    from streamrl.agents.logprobs import selected_token_logprobs
+    from streamrl.agents.trajectory import TokenSequence
+
+    tok = backend.tokenizer
+    eos = tok.eos_token_id
+    # "cabinet 1" is a prefix of "cabinet 10": only the end-of-turn token tells them apart
+    texts = ["go to cabinet 1", "go to cabinet 10", "go to drawer 2", "open drawer 2", "look"]
+    options = [tok(t, add_special_tokens=False)["input_ids"] + [eos] for t in texts]
+    bare = [
+        tok(t, add_special_tokens=False)["input_ids"] for t in texts[:2]
+    ]  # no end token: stops on a whole choice
+    prompts = _prompts(backend)
+    seen = set()
+    for temperature, seed in [(0.0, 0), *((1.0, s) for s in range(6))]:
+        params = SamplingParams(max_new_tokens=24, temperature=temperature, seed=seed)
+        gens = backend.generate(prompts, params, choices=[options, bare, None])
+        free = backend.generate(prompts[2:], params, seeds=[seed + 2])[0]
+        assert gens[2].token_ids == free.token_ids  # an unconstrained row is untouched by its neighbours
+        assert gens[0].token_ids in options and gens[0].finish_reason == "stop"
+        assert gens[1].token_ids in bare and gens[1].extra == {"stop": "choice"}
+        seen.add(tok.decode(gens[0].token_ids, skip_special_tokens=True))
+        for g, opts, prompt in zip(gens[:2], (options, bare), prompts, strict=False):
+            sequence = prompt + g.token_ids
+            oracle = _renormalized(backend.model, sequence, len(prompt), opts)
+            assert _maxdiff(g.logprobs, oracle) < 1e-4
+            # the learner's scoring of the recorded sequence (TokenBatch.allowed) is the same policy
+            seq = TokenSequence()
+            seq.extend_context(list(prompt))
+            allowed = [allowed_next_tokens(opts, g.token_ids[:j]) for j in range(len(g.token_ids))]
+            seq.extend_action(g.token_ids, g.logprobs, 0, allowed)
+            seq.validate()
+            batch = collate([seq], backend.pad_token_id)
+            with torch.no_grad():
+                scored, entropy = selected_token_logprobs(
+                    backend.model,
+                    batch.input_ids,
+                    batch.attention_mask,
+                    batch.action_mask,
+                    allowed=batch.allowed(),
+                    with_entropy=True,
+                )
+            assert _maxdiff(scored.tolist(), oracle) < 1e-4
+            for j, a in enumerate(allowed):  # a forced token is certain: log-prob and entropy 0
+                if len(a) == 1:
+                    assert scored[j] == 0.0 and entropy[j] == 0.0
+    assert len(seen) > 1  # sampled, not the same choice every time
+    with pytest.raises(ValueError, match=r"choices\[1\] is empty; pass None"):
+        backend.generate(prompts[:2], SamplingParams(max_new_tokens=4), choices=[options, []])
+    with pytest.raises(ValueError, match="2 prompts but 1 choice lists"):
+        backend.generate(prompts[:2], SamplingParams(max_new_tokens=4), choices=[options])
+
+
 def _tuned_lora(seed: int) -> object:
     """``tiny`` wrapped with a LoRA adapter named "default" whose ``B`` is non-zero (it changes log-probs)."""
     model = wrap_lora(load_model(resolve_model("tiny")), LoRAConfig(rank=4, alpha=8, seed=seed))

@@ -111,6 +111,78 @@ def test_alfworld_full_history_episode(tiny: HFBackend, alfworld_env: gym.Env) -
         bad.validate()
 
 
+def test_constrained_actions_are_admissible_and_the_learner_scores_their_policy(tiny: HFBackend) -> None:
+    from streamrl.agents.env_specs import env_spec, play_tasks
+    from streamrl.agents.models import load_model, resolve_model
+    from streamrl.algorithms.learner import Learner, LearnerConfig
+
+    spec = env_spec("alfworld")
+    records: list[Trajectory] = []
+
+    class Keep:  # play_tasks's agent, keeping every record
+        def __init__(self, agent: LLMAgent) -> None:
+            self.agent = agent
+
+        def act(self, *args: object) -> list[str]:
+            return self.agent.act(*args)  # type: ignore[arg-type]
+
+        def end_episode(self, episode_id: object) -> Trajectory:
+            records.append(self.agent.end_episode(episode_id))
+            return records[-1]
+
+    # The untrained model: free, it writes no admissible command; constrained, nothing else.
+    for constrain in (False, True):
+        records.clear()
+        agent = spec.llm_agent(tiny, SamplingParams(max_new_tokens=24, seed=3), constrain_actions=constrain)
+        played = play_tasks(Keep(agent), "alfworld", "train", 2, 2, {"max_steps": 4})
+        assert played.episodes == 2 and played.steps == 8 and len(records) == 2
+        assert played.valid_steps == (8 if constrain else 0)
+        assert all(r.truncated and not r.won for r in records)  # play_lockstep fills the outcome
+        for record in records:
+            for turn in record.turns:
+                assert turn.action_valid is constrain
+                seq = record.sequences[turn.sequence]
+                positions = range(*turn.action_span)
+                if constrain:  # the reply is exactly a command and its end-of-turn token
+                    assert turn.text == turn.action and turn.finish_reason == "stop"
+                    assert seq.choice_positions == list(positions)
+                else:
+                    assert seq.choice_positions == [] and seq.choice_ids == []
+    for record in records:
+        assert Trajectory.from_json(record.to_json()).to_dict() == record.to_dict()
+    # The learner scores the constrained policy the tokens were sampled from (its old log-probs: the ratio
+    # pi_old / pi_rollout is 1 before any update), which the unconstrained model would not.
+    learner = Learner(
+        load_model(resolve_model("tiny")),
+        LearnerConfig(device="cpu"),
+        pad_token_id=tiny.pad_token_id,
+        total_steps=1,
+    )
+    for record, scored in zip(records, learner.episode_logprobs(records), strict=True):
+        rollout = [
+            lp
+            for seq in record.sequences
+            for lp, m in zip(seq.rollout_logprobs, seq.action_mask, strict=True)
+            if m
+        ]
+        assert max(abs(a - b) for a, b in zip(scored.tolist(), rollout, strict=True)) < 1e-4
+        free = [
+            lp
+            for seq in record.sequences
+            for lp, m in zip(tiny.score([seq.token_ids], [1])[0], seq.action_mask[1:], strict=True)
+            if m
+        ]
+        assert sum(free) < sum(rollout) - 1.0
+    bad = Trajectory.from_json(records[0].to_json())
+    bad.sequences[0].choice_ids[0] = [t + 1 for t in bad.sequences[0].choice_ids[0]]
+    with pytest.raises(ValueError, match=r"sequences\[0\]: token \d+ \(\d+\) is not among the ids allowed"):
+        bad.validate()
+    with pytest.raises(
+        ValueError, match=r"needs a prompt format with action_choices.*MathTIRPrompt has none"
+    ):
+        LLMAgent(tiny, prompt_format=MathTIRPrompt(), constrain_actions=True)
+
+
 def test_math_window_policy_and_batched_act(tiny: HFBackend, math_env: gym.Env) -> None:
     policy = ContextPolicy(mode="window", window_turns=1, max_context_tokens=1024)
     agent = LLMAgent(

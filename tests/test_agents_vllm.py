@@ -159,6 +159,10 @@ def test_generate_on_token_ids_with_logprobs_that_score_recomputes(base: Any) ->
     assert base.score([prompts[0]], [len(prompts[0])]) == [[]]
     with pytest.raises(ValueError, match="prompt_lengths"):
         base.score([prompts[0]], [0])
+    # constrained generation is the HF backend's: refused by name, unconstrained entries are fine
+    assert len(base.generate(prompts[:1], SamplingParams(max_new_tokens=2, seed=1), choices=[None])) == 1
+    with pytest.raises(ValueError, match=r"VLLMBackend cannot constrain generation.*use the HF backend"):
+        base.generate(prompts[:1], SamplingParams(max_new_tokens=2), choices=[[[1, 2]]])
 
 
 def test_sampling_controls_give_the_processed_distribution(base: Any, hf_backend: HFBackend) -> None:

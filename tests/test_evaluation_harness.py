@@ -122,6 +122,27 @@ def test_alfworld_breaks_down_by_seen_unseen_and_task_type() -> None:
     assert "unknown" not in groups["task_type"]
 
 
+@pytest.mark.alfworld
+def test_constrained_actions_make_every_action_admissible() -> None:
+    pytest.importorskip("textworld", reason="needs the alfworld extra: pip install -e .[alfworld]")
+    small = {
+        **SMALL,
+        "tasks": 2,
+        "max_new_tokens": 24,
+        "temperatures": (0.0,),
+        "env_kwargs": {"max_steps": 3},
+    }
+    invalid = {}
+    for constrain in (False, True):
+        config = EvalConfig(
+            agent="model:tiny", env="alfworld", splits=("eval_seen",), constrain_actions=constrain, **small
+        )
+        (agent,) = run_evaluation(config, log=QUIET)["agents"]
+        assert agent["constrain_actions"] is constrain and len(agent["episodes"]) == 2
+        invalid[constrain] = sum(e["invalid_actions"] for e in agent["episodes"])
+    assert invalid == {False: 6, True: 0}  # the untrained tiny never writes a command by itself
+
+
 def test_a_run_at_any_version_and_paired_comparison(runs: dict[str, Path]) -> None:
     run = runs["spo"]
     report = run_evaluation(

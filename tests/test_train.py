@@ -236,6 +236,14 @@ END_TO_END = [
     pytest.param(
         "spo", "alfworld", {"model": "tiny", "tasks": 8, "env_kwargs": {"max_steps": 3}}, id="spo-alfworld"
     ),
+    # Actions constrained to the admissible commands: the learner scores the renormalized policy the rollouts
+    # sampled (the first update's importance ratio is 1 only then)
+    pytest.param(
+        "spo++",
+        "alfworld",
+        {"model": "tiny", "tasks": 8, "env_kwargs": {"max_steps": 3}, "constrain_actions": True},
+        id="spo++-alfworld-constrained",
+    ),
     # SAO's advantages come from its critic's values, non-zero before any win
     pytest.param(
         "sao",
@@ -786,6 +794,21 @@ BAD = [
     ),
     pytest.param(
         {"sft": {"seed": 1}}, "sft overrides \\{'seed': 1\\} need init='sft', got init='base'", id="sft-base"
+    ),
+    pytest.param(
+        {"constrain_actions": True},
+        "constrain_actions=True: the math_tir env's prompt format has no action_choices",
+        id="constrain-math",
+    ),
+    pytest.param(
+        {
+            "env": "alfworld",
+            "constrain_actions": True,
+            "backend": "vllm",
+            "learner": LearnerConfig(finetune="lora"),
+        },
+        "constrain_actions=True needs the hf backend",
+        id="constrain-vllm",
     ),
     pytest.param(
         {"env_kwargs": {"max_stepz": 3}},
