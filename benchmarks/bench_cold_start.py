@@ -9,9 +9,10 @@ played:
 - ALFWorld: ``eval_seen`` and ``eval_unseen`` (the env's 50-step limit), sampled at temperature 1 and greedy,
   and per episode whether it ended looping on one invalid command (its last ``--loop-min`` actions the same
   command, judged invalid by the env) or stuck (its last ``--loop-min`` actions two commands or fewer, valid or
-  not). ``--constrain-actions`` plays ALFWorld with ``LLMAgent(constrain_actions=True)``: every action one of
-  the admissible commands, so no invalid loop is possible and the stuck count says what is left of greedy
-  play's loops.
+  not). ``--constrain-actions`` plays every env that lists its actions with ``LLMAgent(constrain_actions=True)``
+  (ALFWorld: every action one of the admissible commands, so no invalid loop is possible and the stuck count
+  says what is left of greedy play's loops); Math-TIR, whose actions are free text with code, is played as
+  always.
 
 Sampled play is seeded (``--eval-seed``), so a checkpoint's rates are reproducible too. Evaluation runs on
 ``--eval-threads`` torch threads; each build pins its own (``SFTConfig.threads``). The JSON records, per
@@ -93,14 +94,15 @@ def play(
     backend: Any, env: str, split: str, episodes: int, temperature: float, args: argparse.Namespace
 ) -> dict[str, Any]:
     """Success of ``backend``'s ``LLMAgent`` on the first ``episodes`` tasks of ``split``, with loop counts
-    (``--constrain-actions``: the agent chooses among the admissible commands)."""
+    (``--constrain-actions``: among the env's actions where it lists them)."""
     from streamrl.agents.base import SamplingParams
     from streamrl.agents.env_specs import env_spec, play_tasks
 
     spec = env_spec(env)
     seed = None if temperature == 0 else args.eval_seed
     sampling = SamplingParams(max_new_tokens=spec.max_new_tokens, temperature=temperature, seed=seed)
-    agent = _Recorder(spec.llm_agent(backend, sampling, constrain_actions=args.constrain_actions))
+    constrain = args.constrain_actions and callable(getattr(spec.prompt(), "action_choices", None))
+    agent = _Recorder(spec.llm_agent(backend, sampling, constrain_actions=constrain))
     played = play_tasks(agent, env, split, episodes, args.eval_batch)
     loops = [
         invalid_loop([t.action for t in r.turns], [t.action_valid for t in r.turns], args.loop_min)
@@ -114,7 +116,7 @@ def play(
     return {
         "split": split,
         "temperature": temperature,
-        "constrain_actions": args.constrain_actions,
+        "constrain_actions": constrain,
         "success_rate": played.success_rate,
         "valid_action_rate": played.valid_steps / max(1, played.steps),
         "invalid_loops": len(looped),
@@ -324,7 +326,7 @@ def main() -> None:
     parser.add_argument(
         "--constrain-actions",
         action="store_true",
-        help="play with LLMAgent(constrain_actions=True): each action one of the env's admissible commands",
+        help="play envs that list their actions (ALFWorld) with LLMAgent(constrain_actions=True)",
     )
     parser.add_argument(
         "--compare", type=Path, help="an earlier result file: did the same recipes rebuild the same weights?"
@@ -340,10 +342,6 @@ def main() -> None:
     if args.merge:
         merge(args.merge, args.output)
         return
-    if args.constrain_actions and "math_tir" in args.envs:
-        parser.error(
-            "--constrain-actions: Math-TIR's actions (text with code) have no choices; use --envs alfworld"
-        )
     overrides = {}
     for item in args.set:
         key, sep, value = item.partition("=")
