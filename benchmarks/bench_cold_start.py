@@ -299,9 +299,12 @@ def merge(files: Sequence[Path], output: Path) -> None:
         "summary": summarize(entries),
         "checkpoints": entries,
     }
+    compares = [r["compare"] for r in runs if r.get("compare")]
+    if compares:
+        result["compare"] = compares
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=2))
-    print(json.dumps({"summary": result["summary"]}, indent=2))
+    print(json.dumps({"summary": result["summary"], "compare": compares}, indent=2))
 
 
 def main() -> None:
