@@ -148,12 +148,15 @@ def _platform() -> dict[str, Any]:
     lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
     names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
     cpu = names[0] if names else platform.processor()
+    flags = next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
     return {
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
+        # the kernel level torch uses, and what the CPU has (they differ under ATEN_CPU_CAPABILITY)
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_vector_flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16"}),
         "env": {
             k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "STREAMRL_CACHE") if k in os.environ
         },
