@@ -58,11 +58,13 @@ class EnvSpec:
         sampling: SamplingParams | None = None,
         *,
         constrain_actions: bool = False,
+        avoid_repeats: bool = False,
         tokenizer: Any = None,
     ) -> LLMAgent:
         """An ``LLMAgent`` on ``backend`` with this env's prompt format and context policy; ``sampling``
         defaults to temperature 1 and the spec's ``max_new_tokens``; ``constrain_actions`` restricts its
-        actions to the prompt format's ``action_choices`` (``LLMAgent``)."""
+        actions to the prompt format's ``action_choices``, ``avoid_repeats`` to those not taken before from the
+        same state (``LLMAgent``)."""
         # No run seed by default: the backend's own generator (HFBackendConfig.seed) draws; pass sampling with
         # a seed for per-episode, per-turn seeds derived from it (LLMAgent).
         sampling = sampling or SamplingParams(max_new_tokens=self.max_new_tokens)
@@ -73,6 +75,7 @@ class EnvSpec:
             sampling=sampling,
             context=self.context,
             constrain_actions=constrain_actions,
+            avoid_repeats=avoid_repeats,
         )
 
 

@@ -29,7 +29,11 @@ backend samples only tokens that continue one of them (``GenerationBackend.gener
 sequence records which ids were allowed at each generated token (``TokenSequence.choice_ids``), so that the
 learner scores the renormalized distribution the tokens were drawn from. The policy then never writes an
 inadmissible command; a turn whose info lists no choices is generated unconstrained. HF backends (local or
-as Ray engines) constrain; vLLM's raises.
+as Ray engines) constrain; vLLM's raises. ``avoid_repeats=True`` also leaves out of a turn's choices the
+commands the episode already took from the same state (the same observation with the same choices), unless
+none would be left: a constrained policy can then not cycle (``use desklamp 1`` again and again, two
+receptacles in turn), it tries something else from a state it has seen. The recorded allowed ids are the
+reduced set, so the learner scores the policy as it sampled.
 
 Lost generations: a backend that loses a request (``Generation.error``: a rollout engine died) gets no turn
 recorded for it; ``lost(episode_id)`` says why, and the episode must end there (the runtime ends it as failed).
@@ -144,6 +148,8 @@ class _Episode:
     lost: str | None = None  # why the backend lost the last generation (Generation.error)
     last_return: float | None = None
     tool_calls: int = 0  # the env's cumulative info["tool_calls"] seen so far
+    tried: dict[tuple[str, tuple[str, ...]], set[str]] = field(default_factory=dict)
+    """``avoid_repeats``: per state (observation, choices), the commands taken from it."""
 
 
 class LLMAgent:
@@ -158,12 +164,14 @@ class LLMAgent:
         sampling: SamplingParams | None = None,
         context: ContextPolicy | None = None,
         constrain_actions: bool = False,
+        avoid_repeats: bool = False,
     ) -> None:
         """``prompt_format``: how observations become messages and replies become actions (e.g.
         ``ALFWorldPrompt()``, ``MathTIRPrompt()``); its stop strings are added to ``sampling.stop_strings``.
         ``tokenizer`` defaults to ``backend.tokenizer``; ``sampling`` to temperature 1 and 64 new tokens, its
         ``seed`` being the run seed (module doc). ``constrain_actions``: generate only the prompt format's
-        ``action_choices`` (module doc)."""
+        ``action_choices``; ``avoid_repeats`` (with it): not the commands already taken from the same state
+        (module doc)."""
         self.backend = backend
         self.tokenizer: Any = tokenizer if tokenizer is not None else getattr(backend, "tokenizer", None)
         if self.tokenizer is None:
@@ -175,6 +183,9 @@ class LLMAgent:
         self.context = context or ContextPolicy()
         self.chat = ChatTokens(self.tokenizer)
         self.constrain_actions = constrain_actions
+        if avoid_repeats and not constrain_actions:
+            raise ValueError("avoid_repeats=True needs constrain_actions=True: it removes choices")
+        self.avoid_repeats = avoid_repeats
         if constrain_actions:
             if not callable(getattr(prompt_format, "action_choices", None)):
                 raise ValueError(
@@ -271,6 +282,7 @@ class LLMAgent:
         actions = [""] * len(observations)
         jobs: list[tuple[int, _Episode, list[int], int]] = []
         options: dict[int, list[list[int]] | None] = {}
+        states: dict[int, tuple[str, tuple[str, ...]]] = {}
         for i, (obs, info, eid) in enumerate(zip(observations, infos, episode_ids, strict=True)):
             episode = self._episodes.get(eid)
             if episode is None:
@@ -286,7 +298,13 @@ class LLMAgent:
             ids, start = prompt
             jobs.append((i, episode, ids, start))
             if self.constrain_actions:
-                options[i] = self._choices(info)
+                listed = self.prompt_format.action_choices(info) or []  # type: ignore[attr-defined]
+                texts = tuple(dict.fromkeys(str(t) for t in listed))
+                if self.avoid_repeats:
+                    states[i] = (str(obs), texts)
+                    tried = episode.tried.get(states[i], set())
+                    texts = tuple(t for t in texts if t not in tried) or texts
+                options[i] = self._choices(texts)
 
         by_budget: dict[int, list[tuple[int, _Episode, list[int], int]]] = {}
         for job in jobs:
@@ -315,6 +333,8 @@ class LLMAgent:
                 actions[i] = self._record_turn(
                     episode, ids, start, gen, seed, seconds, infos[i], options.get(i)
                 )
+                if i in states:
+                    episode.tried.setdefault(states[i], set()).add(actions[i])
         now = time.perf_counter()
         for eid in episode_ids:
             self._episodes[eid].last_return = now
@@ -376,14 +396,14 @@ class LLMAgent:
         trajectory.timings["generation_s"] += seconds
         return parsed.action
 
-    def _choices(self, info: Mapping[str, Any]) -> list[list[int]] | None:
-        """The token ids of each of the prompt format's ``action_choices(info)``, ending with the end-of-turn
-        token (as an expert's reply is tokenized for SFT); ``None`` when it lists none (unconstrained turn)."""
-        texts = self.prompt_format.action_choices(info)  # type: ignore[attr-defined]
+    def _choices(self, texts: Sequence[str]) -> list[list[int]] | None:
+        """The token ids of each command of ``texts`` (the prompt format's ``action_choices(info)``, less what
+        ``avoid_repeats`` leaves out), ending with the end-of-turn token (as an expert's reply is tokenized for
+        SFT); ``None`` when there is none (unconstrained turn)."""
         if not texts:
             return None
         eos = [] if self.chat.eos_token_id is None else [int(self.chat.eos_token_id)]
-        return [self.chat.encode(str(t)) + eos for t in dict.fromkeys(texts)]
+        return [self.chat.encode(t) + eos for t in texts]
 
     def _record_empty_turn(self, episode: _Episode) -> None:
         episode.trajectory.turns.append(

@@ -91,10 +91,17 @@ def cycle(actions: Sequence[str], won: bool, loop_min: int) -> tuple[str, ...] |
 
 
 def play(
-    backend: Any, env: str, split: str, episodes: int, temperature: float, args: argparse.Namespace
+    backend: Any,
+    env: str,
+    split: str,
+    episodes: int,
+    temperature: float,
+    args: argparse.Namespace,
+    env_kwargs: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Success of ``backend``'s ``LLMAgent`` on the first ``episodes`` tasks of ``split``, with loop counts
-    (``--constrain-actions``: among the env's actions where it lists them)."""
+    """Success of ``backend``'s ``LLMAgent`` on the first ``episodes`` tasks of ``split`` (``env_kwargs``, e.g.
+    ``game_files=``, go to every env), with loop counts (``--constrain-actions``: among the env's actions where
+    it lists them)."""
     from streamrl.agents.base import SamplingParams
     from streamrl.agents.env_specs import env_spec, play_tasks
 
@@ -102,8 +109,9 @@ def play(
     seed = None if temperature == 0 else args.eval_seed
     sampling = SamplingParams(max_new_tokens=spec.max_new_tokens, temperature=temperature, seed=seed)
     constrain = args.constrain_actions and callable(getattr(spec.prompt(), "action_choices", None))
-    agent = _Recorder(spec.llm_agent(backend, sampling, constrain_actions=constrain))
-    played = play_tasks(agent, env, split, episodes, args.eval_batch)
+    avoid = constrain and getattr(args, "avoid_repeats", False)
+    agent = _Recorder(spec.llm_agent(backend, sampling, constrain_actions=constrain, avoid_repeats=avoid))
+    played = play_tasks(agent, env, split, episodes, args.eval_batch, env_kwargs)
     loops = [
         invalid_loop([t.action for t in r.turns], [t.action_valid for t in r.turns], args.loop_min)
         for r in agent.records
@@ -117,6 +125,7 @@ def play(
         "split": split,
         "temperature": temperature,
         "constrain_actions": constrain,
+        "avoid_repeats": avoid,
         "success_rate": played.success_rate,
         "valid_action_rate": played.valid_steps / max(1, played.steps),
         "invalid_loops": len(looped),
@@ -289,6 +298,8 @@ def merge(files: Sequence[Path], output: Path) -> None:
         )
     if len({bool(r.get("constrain_actions")) for r in runs}) > 1:
         raise SystemExit(f"--merge: some files were played with --constrain-actions, some not: {files}")
+    if len({bool(r.get("avoid_repeats")) for r in runs}) > 1:
+        raise SystemExit(f"--merge: some files were played with --avoid-repeats, some not: {files}")
     entries = [e for r in runs for e in r["checkpoints"]]
     pairs = [(e["env"], e["seed"]) for e in entries]
     if len(set(pairs)) != len(pairs):
@@ -297,6 +308,7 @@ def merge(files: Sequence[Path], output: Path) -> None:
         "command": [r["command"] for r in runs],
         "overrides": runs[0]["overrides"],
         "constrain_actions": bool(runs[0].get("constrain_actions")),
+        "avoid_repeats": bool(runs[0].get("avoid_repeats")),
         "platform": runs[0]["platform"],
         "wall_s": [r["wall_s"] for r in runs],
         "summary": summarize(entries),
@@ -335,6 +347,11 @@ def main() -> None:
         help="play envs that list their actions (ALFWorld) with LLMAgent(constrain_actions=True)",
     )
     parser.add_argument(
+        "--avoid-repeats",
+        action="store_true",
+        help="with --constrain-actions: LLMAgent(avoid_repeats=True), no command taken twice from one state",
+    )
+    parser.add_argument(
         "--compare", type=Path, help="an earlier result file: did the same recipes rebuild the same weights?"
     )
     parser.add_argument(
@@ -366,6 +383,7 @@ def main() -> None:
         "command": " ".join(["python", "benchmarks/bench_cold_start.py", *sys.argv[1:]]),
         "overrides": {k: v for k, v in overrides.items()},
         "constrain_actions": args.constrain_actions,
+        "avoid_repeats": args.avoid_repeats,
         "platform": _platform(),
         "wall_s": round(time.perf_counter() - started, 1),
         "summary": summarize(entries),

@@ -183,6 +183,36 @@ def test_constrained_actions_are_admissible_and_the_learner_scores_their_policy(
         LLMAgent(tiny, prompt_format=MathTIRPrompt(), constrain_actions=True)
 
 
+def test_avoid_repeats_takes_no_command_twice_from_one_state(tiny: HFBackend) -> None:
+    # One state seen again and again (the same observation, the same three commands), played greedily: with
+    # avoid_repeats the first three turns take the three commands, each once, and each turn records as allowed
+    # exactly the first tokens of the commands not taken yet (what the learner rescores); once all were taken
+    # the whole list is allowed again. A policy that ignored the option would repeat its greedy choice.
+    commands = ["look", "inventory", "go to desk 1"]
+    info = {"admissible_commands": commands}
+    obs = "You are in the middle of a room. Your task is to: put a pen in desk."
+    agent = LLMAgent(
+        tiny,
+        prompt_format=ALFWorldPrompt(list_admissible=True, one_command_per_line=True),
+        sampling=SamplingParams(max_new_tokens=24, temperature=0.0),
+        context=ContextPolicy(mode="window", window_turns=1, max_context_tokens=1024),
+        constrain_actions=True,
+        avoid_repeats=True,
+    )
+    actions = [agent.act([obs], [info], ["e"])[0] for _ in range(4)]
+    assert sorted(actions[:3]) == sorted(commands) and actions[3] in commands
+    first = {c: agent.chat.encode(c)[0] for c in commands}
+    assert len(set(first.values())) == 3  # the commands start with distinct tokens
+    record = agent.end_episode("e")
+    for t, turn in enumerate(record.turns):
+        seq = record.sequences[turn.sequence]
+        allowed = seq.choice_ids[seq.choice_positions.index(turn.action_span[0])]
+        left = [c for c in commands if c not in actions[:t]] if t < 3 else commands
+        assert allowed == sorted(first[c] for c in left)
+    with pytest.raises(ValueError, match="avoid_repeats=True needs constrain_actions=True"):
+        LLMAgent(tiny, prompt_format=ALFWorldPrompt(), avoid_repeats=True)
+
+
 def test_math_window_policy_and_batched_act(tiny: HFBackend, math_env: gym.Env) -> None:
     policy = ContextPolicy(mode="window", window_turns=1, max_context_tokens=1024)
     agent = LLMAgent(
