@@ -301,7 +301,7 @@ class LLMAgent:
                 listed = self.prompt_format.action_choices(info) or []  # type: ignore[attr-defined]
                 texts = tuple(dict.fromkeys(str(t) for t in listed))
                 if self.avoid_repeats:
-                    states[i] = (str(obs), texts)
+                    states[i] = (obs, texts)
                     tried = episode.tried.get(states[i], set())
                     texts = tuple(t for t in texts if t not in tried) or texts
                 options[i] = self._choices(texts)

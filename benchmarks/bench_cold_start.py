@@ -109,7 +109,7 @@ def play(
     seed = None if temperature == 0 else args.eval_seed
     sampling = SamplingParams(max_new_tokens=spec.max_new_tokens, temperature=temperature, seed=seed)
     constrain = args.constrain_actions and callable(getattr(spec.prompt(), "action_choices", None))
-    avoid = constrain and getattr(args, "avoid_repeats", False)
+    avoid = constrain and args.avoid_repeats
     agent = _Recorder(spec.llm_agent(backend, sampling, constrain_actions=constrain, avoid_repeats=avoid))
     played = play_tasks(agent, env, split, episodes, args.eval_batch, env_kwargs)
     loops = [
