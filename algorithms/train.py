@@ -110,6 +110,10 @@ class TrainConfig:
     """Rollouts and evaluations choose among the env's actions (``LLMAgent(constrain_actions=True)``: the prompt
     format's ``action_choices``, ALFWorld's admissible commands); the learner scores the renormalized policy
     they sample from. HF backend only."""
+    avoid_repeats: bool = False
+    """With ``constrain_actions``: no command twice from one state (``LLMAgent(avoid_repeats=True)``). Each
+    turn's choices leave out the commands the episode already took from the same observation and choices,
+    unless none would be left; the learner scores that reduced set, the policy the rollouts sampled from."""
     max_new_tokens: int | None = None
     """Tokens per turn; ``None`` = the env's default."""
     env_kwargs: Mapping[str, Any] = field(default_factory=dict)
@@ -443,6 +447,8 @@ class Trainer:
             raise ConfigError(
                 f"constrain_actions=True: the {c.env} env's prompt format has no action_choices to choose among"
             )
+        if c.avoid_repeats and not c.constrain_actions:
+            raise ConfigError("avoid_repeats=True needs constrain_actions=True: it removes choices")
         if c.backend == "vllm" and c.learner.finetune == "full":
             raise ConfigError(
                 "the vllm backend loads LoRA adapters; use learner.finetune='lora' (or 'auto' on a large model)"
@@ -459,6 +465,7 @@ class Trainer:
             # (no "start" in its state either), so it resumes only with the preset
             saved.setdefault("sft", {})
             saved.setdefault("constrain_actions", False)  # saved before the field: unconstrained
+            saved.setdefault("avoid_repeats", False)  # saved before the field: repeats allowed
             for values in (saved, mine):  # how the ranks hold the policy is placement: checkpoints are full
                 (values.get("learner") or {}).pop("sharding", None)
             changed = sorted(
@@ -585,7 +592,11 @@ class Trainer:
             temperature=c.temperature, max_new_tokens=max_new, seed=derive_seed(c.seed, "sampling")
         )
         self.agent = self.spec.llm_agent(
-            self.backend, self.sampling, constrain_actions=c.constrain_actions, tokenizer=self.tokenizer
+            self.backend,
+            self.sampling,
+            constrain_actions=c.constrain_actions,
+            avoid_repeats=c.avoid_repeats,
+            tokenizer=self.tokenizer,
         )
 
         try:
@@ -1093,7 +1104,11 @@ class Trainer:
         )
         sampling = replace(self.sampling, temperature=temperature, seed=seed)
         agent = self.spec.llm_agent(
-            self.backend, sampling, constrain_actions=self.config.constrain_actions, tokenizer=self.tokenizer
+            self.backend,
+            sampling,
+            constrain_actions=self.config.constrain_actions,
+            avoid_repeats=self.config.avoid_repeats,
+            tokenizer=self.tokenizer,
         )
         return Rollouts(venv, agent, seed=seed, lockstep=True)
 

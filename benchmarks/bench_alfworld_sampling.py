@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench_cold_start import RESULTS, _platform, play
+from bench_cold_start import RESULTS, _platform, parse_overrides, play
 
 
 def fresh_games(synthetic_episodes: int, games: int, first: int | None) -> tuple[int, list[str]]:
@@ -48,13 +48,14 @@ def fresh_games(synthetic_episodes: int, games: int, first: int | None) -> tuple
     return first, [str(p) for p in paths[first:]]
 
 
-def seed_entry(seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Find (or build) the preset's checkpoint of ``seed`` and play the fresh games at every temperature."""
+def seed_entry(seed: int, overrides: Mapping[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Find (or build) the checkpoint of the preset with ``overrides`` and ``seed``, and play the fresh games at
+    every temperature."""
     import torch
     from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
     from streamrl.algorithms.sft import SFTConfig, sft_checkpoint
 
-    config = SFTConfig.for_env("alfworld", seed=seed)
+    config = SFTConfig.for_env("alfworld", seed=seed, **overrides)
     path = sft_checkpoint(config, log=lambda m: print(f"  [seed {seed}] {m}", file=sys.stderr, flush=True))
     first, files = fresh_games(config.synthetic_episodes, args.games, args.first_game)
     report = json.loads((path / "streamrl_sft.json").read_text())
@@ -100,6 +101,13 @@ def main() -> None:
     parser.add_argument(
         "--first-game", type=int, help="index of the first (default: past the recipe's games)"
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="recipe field override (as bench_cold_start)",
+    )
     parser.add_argument("--eval-seed", type=int, default=0, help="run seed of the sampled play")
     parser.add_argument("--eval-batch", type=int, default=32, help="episodes played at once")
     parser.add_argument("--eval-threads", type=int, default=1, help="torch threads")
@@ -120,10 +128,16 @@ def main() -> None:
     if args.merge:
         runs = [json.loads(f.read_text()) for f in args.merge]
         played = {
-            (r["constrain_actions"], bool(r.get("avoid_repeats")), json.dumps(r["games"])) for r in runs
+            (
+                r["constrain_actions"],
+                bool(r.get("avoid_repeats")),
+                json.dumps(r["games"]),
+                json.dumps(r.get("overrides", {}), sort_keys=True),
+            )
+            for r in runs
         }
         if len(played) > 1:
-            raise SystemExit(f"--merge: the files played other games or constraints: {args.merge}")
+            raise SystemExit(f"--merge: the files played other games, constraints or recipes: {args.merge}")
         entries = [e for r in runs for e in r["entries"]]
         seeds = [e["seed"] for e in entries]
         if len(set(seeds)) != len(seeds):
@@ -132,9 +146,11 @@ def main() -> None:
         result.update(summary=summarize(entries), entries=entries)
     else:
         started = time.perf_counter()
-        entries = [seed_entry(seed, args) for seed in args.seeds]
+        overrides = parse_overrides(parser, args.set)
+        entries = [seed_entry(seed, overrides, args) for seed in args.seeds]
         result = {
             "command": " ".join(["python", "benchmarks/bench_alfworld_sampling.py", *sys.argv[1:]]),
+            "overrides": overrides,
             "constrain_actions": args.constrain_actions,
             "avoid_repeats": args.avoid_repeats,
             "games": entries[0]["games"],

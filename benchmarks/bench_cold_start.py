@@ -14,7 +14,9 @@ played:
   says what is left of greedy play's loops); Math-TIR, whose actions are free text with code, is played as
   always.
 
-Sampled play is seeded (``--eval-seed``), so a checkpoint's rates are reproducible too. Evaluation runs on
+Sampled play is seeded (``--eval-seed``, one or several: each plays every sampled run, and a checkpoint's
+sampled rate is their mean), so a checkpoint's rates are reproducible too; ``--modes`` plays only greedy or
+only sampled. Evaluation runs on
 ``--eval-threads`` torch threads; each build pins its own (``SFTConfig.threads``). The JSON records, per
 checkpoint, the sha256 of its weights (from ``streamrl_sft.json``, checked against the file), of the weights it
 started from and of its training data, the build's wall time (``cached`` when it was found built) and the
@@ -98,15 +100,16 @@ def play(
     temperature: float,
     args: argparse.Namespace,
     env_kwargs: Mapping[str, Any] | None = None,
+    eval_seed: int | None = None,
 ) -> dict[str, Any]:
     """Success of ``backend``'s ``LLMAgent`` on the first ``episodes`` tasks of ``split`` (``env_kwargs``, e.g.
     ``game_files=``, go to every env), with loop counts (``--constrain-actions``: among the env's actions where
-    it lists them)."""
+    it lists them). Sampled play is seeded with ``eval_seed`` (default ``args.eval_seed``)."""
     from streamrl.agents.base import SamplingParams
     from streamrl.agents.env_specs import env_spec, play_tasks
 
     spec = env_spec(env)
-    seed = None if temperature == 0 else args.eval_seed
+    seed = None if temperature == 0 else (args.eval_seed if eval_seed is None else eval_seed)
     sampling = SamplingParams(max_new_tokens=spec.max_new_tokens, temperature=temperature, seed=seed)
     constrain = args.constrain_actions and callable(getattr(spec.prompt(), "action_choices", None))
     avoid = constrain and args.avoid_repeats
@@ -124,6 +127,7 @@ def play(
     return {
         "split": split,
         "temperature": temperature,
+        "eval_seed": seed,
         "constrain_actions": constrain,
         "avoid_repeats": avoid,
         "success_rate": played.success_rate,
@@ -148,6 +152,17 @@ def _value(text: str) -> Any:
         return tuple(tuples(x) for x in v) if isinstance(v, list) else v
 
     return tuples(value)
+
+
+def parse_overrides(parser: argparse.ArgumentParser, items: Sequence[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` items as recipe overrides (JSON values, ``none`` for ``None``)."""
+    overrides = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--set takes KEY=VALUE, got {item!r}")
+        overrides[key] = _value(value)
+    return overrides
 
 
 def _platform() -> dict[str, Any]:
@@ -215,8 +230,15 @@ def checkpoint_entry(
             runs = [("test", args.math_episodes, t) for t in (0.0, 1.0)]
         else:
             runs = [(s, args.alfworld_episodes, t) for t in (1.0, 0.0) for s in ("eval_seen", "eval_unseen")]
-        for split, episodes, temperature in runs:
-            result = play(backend, env, split, episodes, temperature, args)
+        modes = {"greedy": 0.0, "sampled": 1.0}
+        runs = [
+            (split, episodes, temperature, eval_seed)
+            for split, episodes, temperature in runs
+            if temperature in [modes[m] for m in args.modes]
+            for eval_seed in (args.eval_seed if temperature > 0 else [None])
+        ]
+        for split, episodes, temperature, eval_seed in runs:
+            result = play(backend, env, split, episodes, temperature, args, eval_seed=eval_seed)
             print(f"  [{env} seed {seed}] {json.dumps(result)}", file=sys.stderr, flush=True)
             entry["eval"].append(result)
     finally:
@@ -232,20 +254,24 @@ def _sft_dirs() -> list[Path]:
 
 
 def summarize(entries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Per env: each seed's rates, their min / mean / max over seeds, and whether every seed meets the bars."""
+    """Per env: each seed's rates (sampled with several ``--eval-seed``: their mean), their min / mean / max over
+    seeds, and whether every seed meets the bars."""
     out: dict[str, Any] = {}
     for env in dict.fromkeys(e["env"] for e in entries):
-        rates: dict[str, dict[int, float]] = collections.defaultdict(dict)
+        played: dict[str, dict[int, list[float]]] = collections.defaultdict(
+            lambda: collections.defaultdict(list)
+        )
         loops: dict[int, int] = {}
         stuck: dict[int, int] = {}
         for e in (e for e in entries if e["env"] == env):
             for r in e["eval"]:
                 mode = "greedy" if r["temperature"] == 0 else "sampled"
-                rates[f"{r['split']}/{mode}"][e["seed"]] = r["success_rate"]
+                played[f"{r['split']}/{mode}"][e["seed"]].append(r["success_rate"])
                 if mode == "greedy" and env == "alfworld":
                     loops[e["seed"]] = loops.get(e["seed"], 0) + r["invalid_loops"]
                     if "stuck_cycles" in r:  # measured since 2026-12-02
                         stuck[e["seed"]] = stuck.get(e["seed"], 0) + r["stuck_cycles"]
+        rates = {name: {seed: sum(v) / len(v) for seed, v in by.items()} for name, by in played.items()}
         bars = TARGETS.get(env, {})
         meets = all(
             min(by_seed.values()) >= bars[name.split("/")[1]]
@@ -332,7 +358,20 @@ def main() -> None:
         "--math-episodes", type=int, default=50, help="Math-TIR test tasks (50 = all of them)"
     )
     parser.add_argument("--alfworld-episodes", type=int, default=64, help="games per ALFWorld eval split")
-    parser.add_argument("--eval-seed", type=int, default=0, help="run seed of the sampled evaluation")
+    parser.add_argument(
+        "--eval-seed",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="run seeds of the sampled evaluation: each plays every sampled run; a seed's rate is their mean",
+    )
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=["greedy", "sampled"],
+        default=["greedy", "sampled"],
+        help="play greedy, sampled at temperature 1, or both",
+    )
     parser.add_argument("--eval-batch", type=int, default=32, help="episodes played at once")
     parser.add_argument("--eval-threads", type=int, default=1, help="torch threads of the evaluation")
     parser.add_argument(
@@ -365,12 +404,7 @@ def main() -> None:
     if args.merge:
         merge(args.merge, args.output)
         return
-    overrides = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            parser.error(f"--set takes KEY=VALUE, got {item!r}")
-        overrides[key] = _value(value)
+    overrides = parse_overrides(parser, args.set)
     envs = sorted(args.envs, key=lambda e: e != "math_tir")  # ALFWorld's recipe starts from Math-TIR's
 
     started = time.perf_counter()

@@ -62,6 +62,7 @@ def evaluate(
     batch_size: int = 16,
     env_kwargs: Mapping[str, Any] | None = None,
     constrain_actions: bool = False,
+    avoid_repeats: bool = False,
 ) -> dict[str, Any]:
     """Success rate of an ``LLMAgent`` on ``backend`` on the first ``episodes`` tasks of ``split``.
 
@@ -69,10 +70,13 @@ def evaluate(
     one call per turn. ``sampling`` defaults to temperature 1 with the env's generation budget;
     ``env_kwargs`` go to every env (e.g. ``tasks=`` for a generated task set). Returns ``env``, ``split``,
     ``episodes``, ``success_rate``, ``valid_action_rate`` (valid actions per step), ``mean_steps`` and
-    ``seconds``. ``constrain_actions``: the agent chooses among the env's actions (``LLMAgent``). (``streamrl
-    sft`` reports this; ``run_evaluation`` is the full harness.)
+    ``seconds``. ``constrain_actions``: the agent chooses among the env's actions, ``avoid_repeats``: not twice
+    one from the same state (``LLMAgent``). (``streamrl sft`` reports this; ``run_evaluation`` is the full
+    harness.)
     """
-    agent = env_spec(env_name).llm_agent(backend, sampling, constrain_actions=constrain_actions)
+    agent = env_spec(env_name).llm_agent(
+        backend, sampling, constrain_actions=constrain_actions, avoid_repeats=avoid_repeats
+    )
     played = play_tasks(agent, env_name, split, episodes, batch_size, env_kwargs)
     return {
         "env": env_name,
@@ -348,6 +352,9 @@ class EvalConfig:
     constrain_actions: bool | None = None
     """Let each agent choose only among the env's actions (``LLMAgent(constrain_actions=True)``: ALFWorld's
     admissible commands; HF backend); ``None``: a ``run:`` agent as it was trained, every other unconstrained."""
+    avoid_repeats: bool | None = None
+    """With constrained actions: no command twice from one state (``LLMAgent(avoid_repeats=True)``); ``None``: a
+    ``run:`` agent as it was trained, every other not."""
     num_envs: int = 16
     """Episodes in flight at once (sub-envs of the streaming vector env)."""
     env_workers: EnvWorkers = "subprocess"
@@ -386,6 +393,10 @@ class EvalConfig:
             raise ValueError(f"temperatures must be distinct, got {self.temperatures}")
         if any(k < 1 for k in self.pass_k):
             raise ValueError(f"pass_k values must be >= 1, got {self.pass_k}")
+        if self.avoid_repeats and self.constrain_actions is False:
+            raise ValueError(
+                "avoid_repeats=True needs constrain_actions=True (or None: a run's own): it removes choices"
+            )
 
     def samples_at(self, temperature: float) -> int:
         """Episodes per task and seed at ``temperature`` (greedy: one)."""
@@ -481,10 +492,12 @@ def play_split(
     max_new_tokens: int,
     progress: Callable[[Any], None] | None = None,
     constrain_actions: bool = False,
+    avoid_repeats: bool = False,
 ) -> list[EpisodeRecord]:
     """Play ``loaded`` on ``split`` of ``env``: every (task, seed, sample) episode of every temperature of
     ``config`` (module doc), on one streaming vector env; the records in plan order. ``constrain_actions``:
-    the LLM agent chooses among the env's actions (``EvalConfig.constrain_actions``)."""
+    the LLM agent chooses among the env's actions (``EvalConfig.constrain_actions``); ``avoid_repeats``: not
+    twice one from the same state (``EvalConfig.avoid_repeats``)."""
     from streamrl.agents.env_specs import make_env, task_ids_of
     from streamrl.algorithms.runtime import Job, Rollouts, collect
     from streamrl.envs.vector import StreamingVectorEnv, VectorEnvConfig
@@ -523,7 +536,12 @@ def play_split(
             else:
                 sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=0)
                 assert loaded.backend is not None
-                agent = spec.llm_agent(loaded.backend, sampling, constrain_actions=constrain_actions)
+                agent = spec.llm_agent(
+                    loaded.backend,
+                    sampling,
+                    constrain_actions=constrain_actions,
+                    avoid_repeats=avoid_repeats,
+                )
             jobs = [Job(t, episode_key(split, t, s, k)) for t, s, k in episodes]
             if len({j.key for j in jobs}) != len(jobs):  # 31-bit hashes: a collision is astronomically rare
                 raise RuntimeError(f"two episodes of {split} share a runtime key; change the seeds")
@@ -663,6 +681,24 @@ def _resolve_setting(
     return env, env_kwargs, max_new
 
 
+def _action_mode(config: EvalConfig, agent: AgentSpec) -> tuple[bool, bool]:
+    """``(constrain_actions, avoid_repeats)`` of ``agent``: the config's, or where it says ``None`` a ``run:``
+    agent's own training setting (every other agent: off)."""
+    run = read_run_config(agent.name) if agent.kind == "run" else {}
+    constrain = config.constrain_actions
+    if constrain is None:
+        constrain = bool(run.get("constrain_actions", False))
+    avoid = config.avoid_repeats
+    if avoid is None:
+        avoid = constrain and bool(run.get("avoid_repeats", False))
+    if avoid and not constrain:
+        raise ValueError(
+            f"avoid_repeats=True needs constrained actions, and {agent} plays unconstrained; "
+            "pass constrain_actions=True (--constrain-actions)"
+        )
+    return constrain, avoid
+
+
 def run_evaluation(config: EvalConfig, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Play ``config.agent`` (and ``config.vs``) on the episodes ``config`` names and report (module doc).
 
@@ -692,17 +728,18 @@ def run_evaluation(config: EvalConfig, log: Callable[[str], None] | None = None)
     pass_k = config.pass_k or (1, config.samples * len(config.seeds))
     torch.set_num_threads(config.threads)
 
+    modes = [_action_mode(config, s) for s in specs]  # a contradiction fails before any agent plays
     agents: list[dict[str, Any]] = []
     task_counts: dict[str, int] = {}
-    for label, agent_spec in zip("AB", specs, strict=False):
-        constrain = config.constrain_actions
-        if constrain is None:
-            run = read_run_config(agent_spec.name) if agent_spec.kind == "run" else {}
-            constrain = bool(run.get("constrain_actions", False))
+    for label, agent_spec, (constrain, avoid) in zip("AB", specs, modes, strict=False):
         loaded = load_agent(agent_spec, env, device=config.device, backend=config.backend, log=log)
         log(
             f"eval {label}: {loaded.description} on {env} {list(splits)}"
-            + (" (actions constrained to the env's)" if constrain else "")
+            + (
+                f" (actions constrained to the env's{', none twice from one state' if avoid else ''})"
+                if constrain
+                else ""
+            )
         )
         bar = _progress_bar(config, label, env)
         tick = None if bar is None else (lambda _finished, bar=bar: bar.update(1))
@@ -710,7 +747,15 @@ def run_evaluation(config: EvalConfig, log: Callable[[str], None] | None = None)
             records: list[EpisodeRecord] = []
             for split in splits:
                 played = play_split(
-                    loaded, env, split, config, env_kwargs, max_new_tokens, tick, constrain_actions=constrain
+                    loaded,
+                    env,
+                    split,
+                    config,
+                    env_kwargs,
+                    max_new_tokens,
+                    tick,
+                    constrain_actions=constrain,
+                    avoid_repeats=avoid,
                 )
                 task_counts[split] = len({r.task_id for r in played})
                 records += played
@@ -734,6 +779,7 @@ def run_evaluation(config: EvalConfig, log: Callable[[str], None] | None = None)
                 "agent": str(agent_spec),
                 "description": loaded.description,
                 "constrain_actions": constrain,
+                "avoid_repeats": avoid,
                 "results": results,
                 "episodes": [r.to_dict() for r in records],
             }

@@ -132,15 +132,26 @@ def test_constrained_actions_make_every_action_admissible() -> None:
         "temperatures": (0.0,),
         "env_kwargs": {"max_steps": 3},
     }
-    invalid = {}
-    for constrain in (False, True):
+    invalid, tokens = {}, {}
+    for constrain, avoid in ((False, False), (True, False), (True, True)):
         config = EvalConfig(
-            agent="model:tiny", env="alfworld", splits=("eval_seen",), constrain_actions=constrain, **small
+            agent="model:tiny",
+            env="alfworld",
+            splits=("eval_seen",),
+            constrain_actions=constrain,
+            avoid_repeats=avoid,
+            **small,
         )
         (agent,) = run_evaluation(config, log=QUIET)["agents"]
-        assert agent["constrain_actions"] is constrain and len(agent["episodes"]) == 2
-        invalid[constrain] = sum(e["invalid_actions"] for e in agent["episodes"])
-    assert invalid == {False: 6, True: 0}  # the untrained tiny never writes a command by itself
+        assert (agent["constrain_actions"], agent["avoid_repeats"]) == (constrain, avoid)
+        assert len(agent["episodes"]) == 2
+        invalid[constrain, avoid] = sum(e["invalid_actions"] for e in agent["episodes"])
+        tokens[constrain, avoid] = [e["action_tokens"] for e in agent["episodes"]]
+    # the untrained tiny never writes a command by itself
+    assert invalid == {(False, False): 6, (True, False): 0, (True, True): 0}
+    # greedy, it takes one command again and again from the state it leaves unchanged (6 tokens: a one-token
+    # command and the end of turn, 3 times); kept from repeating, it goes on to longer ones
+    assert tokens[True, False] == [6, 6] and all(n > 6 for n in tokens[True, True])
 
 
 def test_a_run_at_any_version_and_paired_comparison(runs: dict[str, Path]) -> None:
@@ -174,6 +185,11 @@ def test_a_run_at_any_version_and_paired_comparison(runs: dict[str, Path]) -> No
             r"unknown split\(s\) \['valid'\] of env 'math_tir'; valid: \['train', 'test'\]",
         ),
         (["run:{spo}", "--env", "alfworld"], "was trained on env 'math_tir', not 'alfworld'"),
+        # no command twice from one state removes choices: only a constrained agent has them (a run: its own)
+        (
+            ["run:{spo}", "--avoid-repeats"],
+            "avoid_repeats=True needs constrained actions, and run:.*spo plays",
+        ),
         (["model:tiny@{root}/none"], "policy directory '.*none' does not exist"),
     ],
 )
@@ -185,6 +201,12 @@ def test_bad_eval_input_is_named_with_what_is_valid(
     import re
 
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_avoid_repeats_without_constrained_actions_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["eval", "model:tiny", "--avoid-repeats", "--no-constrain-actions"])
+    assert "avoid_repeats=True needs constrain_actions=True" in capsys.readouterr().err
 
 
 def test_compare_writes_table_plots_and_report(

@@ -236,12 +236,19 @@ END_TO_END = [
     pytest.param(
         "spo", "alfworld", {"model": "tiny", "tasks": 8, "env_kwargs": {"max_steps": 3}}, id="spo-alfworld"
     ),
-    # Actions constrained to the admissible commands: the learner scores the renormalized policy the rollouts
-    # sampled (the first update's importance ratio is 1 only then)
+    # Actions constrained to the admissible commands, none twice from one state: the learner scores the
+    # renormalized policy over the reduced choices the rollouts sampled (the first update's importance ratio is
+    # 1 only then)
     pytest.param(
         "spo++",
         "alfworld",
-        {"model": "tiny", "tasks": 8, "env_kwargs": {"max_steps": 3}, "constrain_actions": True},
+        {
+            "model": "tiny",
+            "tasks": 8,
+            "env_kwargs": {"max_steps": 3},
+            "constrain_actions": True,
+            "avoid_repeats": True,
+        },
         id="spo++-alfworld-constrained",
     ),
     # SAO's advantages come from its critic's values, non-zero before any win
@@ -282,6 +289,16 @@ def test_each_algorithm_trains_end_to_end(
     assert trainer.tracker.version == config.updates // publish_every >= 1
     assert [r["version"] for r in rows] == [u // publish_every for u in range(1, config.updates + 1)]
     assert sum(trainer.tracker.task_stats(t).recorded for t in trainer.task_ids) >= rows[-1]["ledger/trained"]
+    # rollouts and the side rollouts (offline values, evaluation) play the configured policy
+    side = trainer._side_rollouts(trainer.spec.train_split, 1.0, 0)
+    try:
+        for agent in (trainer.agent, side.agent):
+            assert (agent.constrain_actions, agent.avoid_repeats) == (
+                config.constrain_actions,
+                config.avoid_repeats,
+            )
+    finally:
+        side.venv.close()
     # no policy step in between: the first update's importance ratio pi_old / pi_rollout is 1 on every token
     assert policy_rows[0]["learner/is_log_weight_abs"] < 1e-5
 
@@ -809,6 +826,11 @@ BAD = [
         },
         "constrain_actions=True needs the hf backend",
         id="constrain-vllm",
+    ),
+    pytest.param(
+        {"env": "alfworld", "avoid_repeats": True},
+        "avoid_repeats=True needs constrain_actions=True",
+        id="avoid-unconstrained",
     ),
     pytest.param(
         {"env_kwargs": {"max_stepz": 3}},
