@@ -71,7 +71,16 @@ def seed_entry(seed: int, overrides: Mapping[str, Any], args: argparse.Namespace
     backend = HFBackend(str(path), config=HFBackendConfig(device="cpu"))
     try:
         for temperature in args.temperatures:
-            result = play(backend, "alfworld", "train", len(files), temperature, args, {"game_files": files})
+            result = play(
+                backend,
+                "alfworld",
+                "train",
+                len(files),
+                temperature,
+                args,
+                {"game_files": files},
+                eval_seed=args.eval_seed,
+            )
             print(f"  [seed {seed}] {json.dumps(result)}", file=sys.stderr, flush=True)
             entry["runs"].append(result)
     finally:

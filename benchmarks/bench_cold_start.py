@@ -104,12 +104,12 @@ def play(
 ) -> dict[str, Any]:
     """Success of ``backend``'s ``LLMAgent`` on the first ``episodes`` tasks of ``split`` (``env_kwargs``, e.g.
     ``game_files=``, go to every env), with loop counts (``--constrain-actions``: among the env's actions where
-    it lists them). Sampled play is seeded with ``eval_seed`` (default ``args.eval_seed``)."""
+    it lists them). Sampled play is seeded with ``eval_seed``."""
     from streamrl.agents.base import SamplingParams
     from streamrl.agents.env_specs import env_spec, play_tasks
 
     spec = env_spec(env)
-    seed = None if temperature == 0 else (args.eval_seed if eval_seed is None else eval_seed)
+    seed = None if temperature == 0 else eval_seed
     sampling = SamplingParams(max_new_tokens=spec.max_new_tokens, temperature=temperature, seed=seed)
     constrain = args.constrain_actions and callable(getattr(spec.prompt(), "action_choices", None))
     avoid = constrain and args.avoid_repeats
@@ -230,11 +230,11 @@ def checkpoint_entry(
             runs = [("test", args.math_episodes, t) for t in (0.0, 1.0)]
         else:
             runs = [(s, args.alfworld_episodes, t) for t in (1.0, 0.0) for s in ("eval_seen", "eval_unseen")]
-        modes = {"greedy": 0.0, "sampled": 1.0}
+        wanted = {{"greedy": 0.0, "sampled": 1.0}[m] for m in args.modes}
         runs = [
             (split, episodes, temperature, eval_seed)
             for split, episodes, temperature in runs
-            if temperature in [modes[m] for m in args.modes]
+            if temperature in wanted
             for eval_seed in (args.eval_seed if temperature > 0 else [None])
         ]
         for split, episodes, temperature, eval_seed in runs:
