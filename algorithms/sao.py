@@ -600,6 +600,12 @@ class ValuePretrainConfig:
     """Episodes in flight at once during the rollouts."""
     temperature: float = 1.0
     """Sampling temperature of the rollouts (the RL run's)."""
+    constrain_actions: bool = False
+    """Roll out choosing among the env's actions (``LLMAgent(constrain_actions=True)``), as ``streamrl train
+    --constrain-actions`` does: the critic learns the returns of the policy it rolls out, so set this (and
+    ``avoid_repeats``) as the SAO run will."""
+    avoid_repeats: bool = False
+    """With ``constrain_actions``: no command twice from one state (``LLMAgent(avoid_repeats=True)``)."""
     max_new_tokens: int | None = None
     """Tokens per turn; ``None`` = the env's default."""
     env_workers: Literal["subprocess", "inprocess"] = "subprocess"
@@ -626,6 +632,16 @@ class ValuePretrainConfig:
             raise ValueError(f"tasks must be >= 1 or None, got {self.tasks}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.avoid_repeats and not self.constrain_actions:
+            raise ValueError("avoid_repeats=True needs constrain_actions=True: it removes choices")
+        if self.constrain_actions:
+            from streamrl.agents.env_specs import env_spec
+
+            if not callable(getattr(env_spec(self.env).prompt(), "action_choices", None)):
+                raise ValueError(
+                    f"constrain_actions=True: the {self.env} env's prompt format has no action_choices to "
+                    "choose among"
+                )
 
 
 def pretrain_critic(
@@ -699,7 +715,16 @@ def pretrain_critic(
     )
     try:
         rollouts = Rollouts(
-            venv, spec.llm_agent(backend, sampling), seed=derive_seed(config.seed, "value"), lockstep=True
+            venv,
+            spec.llm_agent(
+                backend,
+                sampling,
+                constrain_actions=config.constrain_actions,
+                avoid_repeats=config.avoid_repeats,
+                tokenizer=tokenizer,
+            ),
+            seed=derive_seed(config.seed, "value"),
+            lockstep=True,
         )
         jobs = [
             Job(t, i * config.rollouts + k) for i, t in enumerate(task_ids) for k in range(config.rollouts)
@@ -747,12 +772,20 @@ def pretrain_critic(
         "tasks": len(task_ids),
         "mean_reward": sum(t.reward for t in episodes) / len(episodes),
         "action_tokens": sum(t.num_action_tokens for t in episodes),
+        "valid_action_rate": valid_action_rate(episodes),
         "epochs": history,
         "rollout_s": rollout_s,
         "seconds": time.perf_counter() - started,
     }
     critic.save(out, report)
     return {"out": str(out), **report}
+
+
+def valid_action_rate(episodes: Sequence[Any]) -> float | None:
+    """The share of the episodes' turns whose action the env accepted, over the turns with a verdict
+    (``Turn.action_valid``); ``None`` when no turn has one (an env that does not judge its actions)."""
+    verdicts = [t.action_valid for e in episodes for t in e.turns if t.action_valid is not None]
+    return sum(verdicts) / len(verdicts) if verdicts else None
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:

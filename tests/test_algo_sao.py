@@ -322,6 +322,33 @@ def test_value_pretrain_command_fits_a_critic_that_sao_loads(
     assert "lora_rank: saved 16, here 8" in capsys.readouterr().err and not (tmp_path / "other").exists()
 
 
+def test_value_pretrain_rolls_out_the_constrained_policy_of_a_constrained_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The critic learns the returns of the policy it rolls out, so a constrained SAO run's critic is pretrained
+    on constrained rollouts: the bare model then takes only admissible commands (unconstrained, almost none)."""
+    out = tmp_path / "critic"
+    args = ["value-pretrain", "--out", str(out), "--env", "alfworld", "--init", "base", "--tasks", "2"]
+    args += ["--rollouts", "1", "--num-envs", "2", "--env-workers", "inprocess", "--epochs", "1"]
+    assert main([*args, "--constrain-actions", "--avoid-repeats"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["episodes"] == 2 and report["valid_action_rate"] == 1.0
+    assert report["config"]["constrain_actions"] and report["config"]["avoid_repeats"]
+
+    bad = [
+        ([*args, "--avoid-repeats"], "avoid_repeats=True needs constrain_actions=True"),
+        (
+            [*args[:4], "math_tir", *args[5:], "--constrain-actions"],
+            "math_tir env's prompt format has no action_choices",
+        ),
+    ]
+    for argv, message in bad:  # refused before anything is built
+        with pytest.raises(SystemExit) as refused:
+            main([*argv[:2], str(tmp_path / "other"), *argv[3:]])
+        assert refused.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()
+
+
 def test_train_rejects_a_critic_init_that_does_not_fit(tmp_path: Path) -> None:
     config = TrainConfig(
         out=str(tmp_path / "run"),
