@@ -52,6 +52,12 @@ class EnvSpec:
     state stays as it was), for the slip-and-recover demonstrations of ``SFTConfig.expert_slips``; ``None``
     from the callable when the action has no such near miss, ``None`` here when the env has none."""
 
+    @property
+    def lists_actions(self) -> bool:
+        """Whether the env's prompt format lists the actions a turn may take (``action_choices``): what an
+        agent needs to play with ``constrain_actions``."""
+        return callable(getattr(self.prompt(), "action_choices", None))
+
     def llm_agent(
         self,
         backend: GenerationBackend,

@@ -637,7 +637,7 @@ class ValuePretrainConfig:
         if self.constrain_actions:
             from streamrl.agents.env_specs import env_spec
 
-            if not callable(getattr(env_spec(self.env).prompt(), "action_choices", None)):
+            if not env_spec(self.env).lists_actions:
                 raise ValueError(
                     f"constrain_actions=True: the {self.env} env's prompt format has no action_choices to "
                     "choose among"

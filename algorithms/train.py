@@ -443,7 +443,7 @@ class Trainer:
                 "constrain_actions=True needs the hf backend: vLLM's structured outputs are not the token-level "
                 "constraint the learner rescores"
             )
-        if c.constrain_actions and not callable(getattr(ENV_SPECS[c.env].prompt(), "action_choices", None)):
+        if c.constrain_actions and not ENV_SPECS[c.env].lists_actions:
             raise ConfigError(
                 f"constrain_actions=True: the {c.env} env's prompt format has no action_choices to choose among"
             )

@@ -111,7 +111,7 @@ def play(
     spec = env_spec(env)
     seed = None if temperature == 0 else eval_seed
     sampling = SamplingParams(max_new_tokens=spec.max_new_tokens, temperature=temperature, seed=seed)
-    constrain = args.constrain_actions and callable(getattr(spec.prompt(), "action_choices", None))
+    constrain = args.constrain_actions and spec.lists_actions
     avoid = constrain and args.avoid_repeats
     agent = _Recorder(spec.llm_agent(backend, sampling, constrain_actions=constrain, avoid_repeats=avoid))
     played = play_tasks(agent, env, split, episodes, args.eval_batch, env_kwargs)
