@@ -14,13 +14,18 @@ with ``LLMAgent(constrain_actions=True)``.
 
 Seeds can run in parallel processes (one ``--seeds`` and ``--output`` each), then ``--merge`` them. The
 summary gives, per temperature, each seed's success and the mean over seeds; ``best`` is the temperature
-with the highest mean (on a tie, the one nearest 1).
+with the highest mean (on a tie, the one nearest 1). Each run keeps the ids of the games it won, so two
+policies played on the same games compare game by game (an exact sign test on the games only one won):
+
+    python benchmarks/bench_alfworld_sampling.py --paired A_1152.json A_1280.json --vs B_1152.json B_1280.json \
+        --output benchmarks/results/a_vs_b.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -102,6 +107,67 @@ def summarize(entries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {"rates": rates, "best": best}
 
 
+def sign_test(only_a: int, only_b: int) -> float:
+    """Two-sided exact sign test (McNemar's exact form) on the discordant games: the probability, were both
+    policies equally good, of a split at least this uneven."""
+    n, k = only_a + only_b, min(only_a, only_b)
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
+
+
+def paired(a_files: Sequence[Path], b_files: Sequence[Path]) -> dict[str, Any]:
+    """Policy A against policy B on the same games: per (games, seed, temperature) that both sides played, the
+    games both won, only A won and only B won (from each run's ``won_tasks``), and over all of them the sign
+    test on the discordant games. Playing the same games both ways cancels how hard each game is, which two
+    independent success rates cannot."""
+
+    def runs(files: Sequence[Path]) -> dict[tuple[str, int, float], tuple[Path, Mapping[str, Any]]]:
+        out = {}
+        for f in files:
+            result = json.loads(f.read_text())
+            for e in result["entries"]:
+                for r in e["runs"]:
+                    if "won_tasks" not in r:
+                        raise SystemExit(
+                            f"--paired: {f} keeps no won_tasks (written before they were recorded)"
+                        )
+                    out[(json.dumps(e["games"], sort_keys=True), e["seed"], r["temperature"])] = (f, r)
+        return out
+
+    a, b = runs(a_files), runs(b_files)
+    common = sorted(set(a) & set(b))
+    if not common:
+        raise SystemExit(f"--paired: no games, seed and temperature played by both {a_files} and {b_files}")
+    pairs = []
+    for key in common:
+        won_a, won_b = set(a[key][1]["won_tasks"]), set(b[key][1]["won_tasks"])
+        games, seed, temperature = key
+        pairs.append(
+            {
+                "games": json.loads(games),
+                "seed": seed,
+                "temperature": temperature,
+                "files": [str(a[key][0]), str(b[key][0])],
+                "episodes": a[key][1]["episodes"],
+                "wins": [len(won_a), len(won_b)],
+                "both": len(won_a & won_b),
+                "only_a": len(won_a - won_b),
+                "only_b": len(won_b - won_a),
+            }
+        )
+    only_a, only_b = sum(p["only_a"] for p in pairs), sum(p["only_b"] for p in pairs)
+    episodes = sum(p["episodes"] for p in pairs)
+    return {
+        "pairs": pairs,
+        "episodes": episodes,
+        "success": [sum(p["wins"][0] for p in pairs) / episodes, sum(p["wins"][1] for p in pairs) / episodes],
+        "only_a": only_a,
+        "only_b": only_b,
+        "sign_test_p": sign_test(only_a, only_b),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -130,10 +196,27 @@ def main() -> None:
     parser.add_argument(
         "--merge", type=Path, nargs="+", help="result files (one per process): summarize them"
     )
+    parser.add_argument(
+        "--paired",
+        type=Path,
+        nargs="+",
+        metavar="A",
+        help="result files of policy A: compare them game by game with those of --vs",
+    )
+    parser.add_argument("--vs", type=Path, nargs="+", metavar="B", help="result files of policy B")
     parser.add_argument("--output", type=Path, default=RESULTS / "alfworld_sampling_fresh.json")
     args = parser.parse_args()
     if any(t <= 0 for t in args.temperatures):
         parser.error(f"--temperatures must be > 0 (this measures sampled play), got {args.temperatures}")
+    if bool(args.paired) != bool(args.vs):
+        parser.error("--paired A... and --vs B... go together")
+    if args.paired:
+        result = paired(args.paired, args.vs)
+        result["command"] = " ".join(["python", "benchmarks/bench_alfworld_sampling.py", *sys.argv[1:]])
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(result, indent=2))
+        print(json.dumps({k: v for k, v in result.items() if k != "pairs"}, indent=2))
+        return
     if args.merge:
         runs = [json.loads(f.read_text()) for f in args.merge]
         played = {

@@ -137,6 +137,7 @@ def play(
         "stuck_cycles": len(stuck),
         "stuck_commands": collections.Counter(stuck).most_common(5),
         **counts,
+        "won_tasks": sorted(r.task_id for r in agent.records if r.won),  # for paired comparisons
     }
 
 
