@@ -132,7 +132,10 @@ def paired(a_files: Sequence[Path], b_files: Sequence[Path]) -> dict[str, Any]:
                         raise SystemExit(
                             f"--paired: {f} keeps no won_tasks (written before they were recorded)"
                         )
-                    out[(json.dumps(e["games"], sort_keys=True), e["seed"], r["temperature"])] = (f, r)
+                    key = (json.dumps(e["games"], sort_keys=True), e["seed"], r["temperature"])
+                    if key in out:
+                        raise SystemExit(f"--paired: {f} and {out[key][0]} played the same games, seed and T")
+                    out[key] = (f, r)
         return out
 
     a, b = runs(a_files), runs(b_files)
