@@ -1,6 +1,6 @@
 """``streamrl train``: the single-stream trainer that runs every algorithm (SPO, SPO++, GRPO, SAO, yours).
 
-One loop, in the order the data flows (DESIGN.md)::
+One loop, in the order the data flows::
 
     dispatch   the tracker samples tasks (prioritized for SPO/SPO++), freezes baselines on tickets; admission
                keeps dispatched - dropped <= (max_staleness + k + 1) * B * P at version k (AReaL's rule)
@@ -19,8 +19,9 @@ The run directory holds ``config.json``, ``metrics.jsonl`` (one row per update, 
 fixed held-out tasks -- its per-episode records in ``evals/update-<n>.jsonl``, and from the second on its
 paired difference to the first -- and the closed ledger), TensorBoard event files, ``policy/v<k>`` (published versions,
 the last few kept), and ``checkpoint/`` (learner, optimizer, scheduler, tracker, algorithm, buffer, tickets
-in flight, counters, RNG). ``resume=True`` continues a killed run from its last checkpoint: every ticket
-that was in flight is played again, finished-but-untrained episodes are kept.
+in flight, counters, RNG; ``checkpoint.old/`` while a new one takes its place). ``resume=True`` continues a
+killed run from its last complete checkpoint: every ticket that was in flight is played again,
+finished-but-untrained episodes are kept.
 """
 
 from __future__ import annotations
@@ -330,8 +331,9 @@ class Trainer:
         """The policy version the last checkpoint serves: kept on disk whatever ``keep_versions`` says."""
         try:
             self._build()
-            if resume and (self.run_dir / "checkpoint" / "state.json").is_file():
-                self._load_checkpoint()
+            checkpoint = self._last_checkpoint() if resume else None
+            if checkpoint is not None:
+                self._load_checkpoint(checkpoint)
                 self._resumed = True
             elif resume:  # killed before its first checkpoint: it starts over
                 self._truncate_metrics(-1)
@@ -1224,8 +1226,13 @@ class Trainer:
         return previous
 
     def _save_checkpoint(self) -> None:
+        """Write the checkpoint to ``checkpoint.tmp/`` and rename it to ``checkpoint/``. Two renames cannot be
+        one, so the previous checkpoint waits in ``checkpoint.old/`` until the new one is in place: whenever the
+        process dies, ``checkpoint/`` or ``checkpoint.old/`` holds a complete checkpoint (``_last_checkpoint``).
+        """
         final = self.run_dir / "checkpoint"
         tmp = self.run_dir / "checkpoint.tmp"
+        old = self.run_dir / "checkpoint.old"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         torch.save(
@@ -1259,11 +1266,12 @@ class Trainer:
             "backend_version": self.tracker.version,
         }
         (tmp / "state.json").write_text(json.dumps(state))
-        old = self.run_dir / "checkpoint.old"
-        shutil.rmtree(old, ignore_errors=True)
-        if final.exists():
+        _fsync_folder(tmp)  # on disk before a rename publishes it, also across a power loss
+        if final.exists():  # else a kill came between the renames and old/ is the last checkpoint: keep it
+            shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
         os.replace(tmp, final)
+        _fsync_folder(self.run_dir, files=False)
         shutil.rmtree(old, ignore_errors=True)
         self._checkpoint_version = self.tracker.version
 
@@ -1283,8 +1291,15 @@ class Trainer:
 
         return {"model_dir": self.model_dir.name, "weights": weights_fingerprint(self.model_dir)}
 
-    def _load_checkpoint(self) -> None:
-        path = self.run_dir / "checkpoint"
+    def _last_checkpoint(self) -> Path | None:
+        """The run's last complete checkpoint: ``checkpoint/``, or ``checkpoint.old/`` when the run was killed
+        between ``_save_checkpoint``'s two renames; None when it was killed before its first checkpoint."""
+        for name in ("checkpoint", "checkpoint.old"):
+            if (self.run_dir / name / "state.json").is_file():
+                return self.run_dir / name
+        return None
+
+    def _load_checkpoint(self, path: Path) -> None:
         state = json.loads((path / "state.json").read_text())
         started = state.get("start")  # absent in checkpoints written before the check
         now = self._start_identity
@@ -1327,7 +1342,8 @@ class Trainer:
         if version > 0:  # serve the published policy of the checkpointed version, not the learner's weights
             self._serve(self.run_dir / "policy" / f"v{version}", version)
         self.log(
-            f"resumed {self.run_dir} at update {self.updates} (version {version}), {len(self.queued)} tickets requeued, {len(self.buffer)} episodes buffered"
+            f"resumed {self.run_dir} at update {self.updates} (version {version}, from {path.name}/), "
+            f"{len(self.queued)} tickets requeued, {len(self.buffer)} episodes buffered"
         )
 
     def _truncate_metrics(self, updates: int) -> None:
@@ -1346,6 +1362,16 @@ class Trainer:
             if int(row.get("update", 0)) <= updates:
                 kept.append(line + "\n")
         atomic_write_text(path, "".join(kept))
+
+
+def _fsync_folder(path: Path, *, files: bool = True) -> None:
+    """Flush ``path`` (a folder's entries: what renames into it did) and, with ``files``, the files in it."""
+    for item in [*(p for p in path.iterdir() if p.is_file()), path] if files else [path]:
+        fd = os.open(item, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def train(

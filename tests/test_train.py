@@ -499,6 +499,83 @@ def test_sigterm_mid_rollout_requeues_in_flight_work_and_keeps_finished_work(
         torch.testing.assert_close(value, sync_reference.weights[key], rtol=0, atol=1e-4)
 
 
+KILL_BETWEEN_RENAMES = """
+import os, signal, sys
+from pathlib import Path
+from streamrl.evaluation.cli import main
+
+replace = os.replace
+
+
+def replace_then_die(src, dst):
+    replace(src, dst)
+    if Path(src).name == "checkpoint":  # the last checkpoint moved aside, the new one not yet in its place
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+os.replace = replace_then_die
+sys.exit(main())
+"""
+
+
+def test_a_kill_between_the_checkpoint_renames_resumes_from_the_last_checkpoint(
+    primed: Path, tmp_path: Path, sync_reference: Run
+) -> None:
+    # The checkpoint at update 4 replaces the one at update 2; the process is killed by SIGKILL right after
+    # checkpoint/ was moved aside, before the new one takes its place
+    out = tmp_path / "run"
+    config = sync_config(out, primed)
+    flags = [
+        f"--{name.replace('_', '-')}={getattr(config, name)}"
+        for name in (
+            "out",
+            "env",
+            "model",
+            "init",
+            "algo",
+            "max_staleness",
+            "tasks",
+            "updates",
+            "batch",
+            "num_envs",
+            "checkpoint_every",
+            "keep_versions",
+            "offline_rollouts",
+            "eval_every",
+            "max_new_tokens",
+            "env_workers",
+        )
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    killed = subprocess.run(
+        [sys.executable, "-c", KILL_BETWEEN_RENAMES, "train", *flags, "--no-progress"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    assert updates_written(out) == [1, 2, 3, 4]
+    assert not (out / "checkpoint").exists(), "precondition: killed between the renames"
+    before = (out / "metrics.jsonl").read_text().splitlines()
+
+    resumed = subprocess.run(
+        [sys.executable, "-m", "streamrl.evaluation.cli", "train", f"--resume={out}", "--no-progress"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"resumed {out} at update 2" in resumed.stdout, resumed.stdout + resumed.stderr
+    # the rows up to update 2 are kept as they were written (their timings would differ if run again)
+    kept = [line for line in before if json.loads(line)["update"] <= 2]
+    assert [json.loads(line)["update"] for line in kept][-1] == 2
+    assert (out / "metrics.jsonl").read_text().splitlines()[: len(kept)] == kept
+    final = torch.load(out / "checkpoint" / "learner.pt", weights_only=False)["learner"]["weights"]
+    assert_same_training(out, final, sync_reference)
+
+
 def test_a_run_killed_before_its_first_checkpoint_starts_over(tmp_path: Path) -> None:
     config = run_config(tmp_path / "run", updates=1, offline_rollouts=0)
     train(config)
