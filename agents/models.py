@@ -295,8 +295,12 @@ def build_tiny_tokenizer(config: TinyModelConfig) -> Any:
     return hf
 
 
-def build_tiny(out_dir: Path, config: TinyModelConfig | None = None) -> None:
-    """Write the ``tiny`` model (weights, config, tokenizer, chat template) into ``out_dir``."""
+def build_tiny(
+    out_dir: Path, config: TinyModelConfig | None = None, log: Callable[[str], None] = print
+) -> None:
+    """Write the ``tiny`` model (weights, config, tokenizer, chat template) into ``out_dir``, in this process.
+    The registry builds it with ``build_tiny_reproducibly``: torch's seeded initialisation draws other numbers
+    on other kernels."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -328,6 +332,22 @@ def build_tiny(out_dir: Path, config: TinyModelConfig | None = None) -> None:
         json.dumps(
             {"name": "tiny", "config": asdict(config), "recipe": _TINY_RECIPE}, indent=2, sort_keys=True
         )
+    )
+    log(f"built tiny ({model.num_parameters():,} parameters) in {out_dir}")
+
+
+def build_tiny_reproducibly(out_dir: Path) -> None:
+    """``build_tiny`` in a fresh interpreter on the AVX2 kernel path (``streamrl.agents.reproducible``), so
+    that every x86-64 CPU builds the same weights; on a CPU off that path it is built on its own kernels,
+    with a warning."""
+    from streamrl.agents.reproducible import run_in_reproducible_interpreter
+
+    run_in_reproducible_interpreter(
+        "streamrl.agents.models:build_tiny",
+        (out_dir,),
+        what="the tiny model",
+        required=False,
+        log=lambda line: print(line, file=sys.stderr, flush=True),
     )
 
 
@@ -397,7 +417,7 @@ class RegisteredModel:
 
 MODELS: dict[str, RegisteredModel] = {
     "tiny": RegisteredModel(
-        build=build_tiny,
+        build=build_tiny_reproducibly,
         key=lambda: TinyModelConfig().build_key(),
         description="~2M-param Qwen2 built offline with a locally trained BPE tokenizer (random weights)",
     ),

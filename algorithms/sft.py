@@ -39,6 +39,11 @@ from streamrl.agents.env_specs import env_spec, play_tasks
 from streamrl.agents.hf_backend import HFBackend
 from streamrl.agents.lora import LoRAConfig, trainable_parameters, wrap_lora
 from streamrl.agents.models import build_once, load_model, load_tokenizer, resolve_model, sha256_file
+from streamrl.agents.reproducible import (
+    REPRODUCIBLE_KERNELS,
+    on_reproducible_kernels,
+    run_in_reproducible_interpreter,
+)
 from streamrl.agents.teacher_forcing import downsample_turns, expert_trajectories, sequences_of
 from streamrl.agents.trajectory import TokenSequence
 from streamrl.algorithms.losses import sft_loss
@@ -61,8 +66,9 @@ class SFTConfig:
     fix change the floats, and through a chaotic training run the success rate (docs/sft.md, Reproducibility):
     the torch thread count, which the build therefore pins to ``threads``; and the CPU's vector instruction
     set, since torch (``ATEN_CPU_CAPABILITY``) and MKL (``MKL_CBWR``) pick AVX-512 or AVX2 kernels by CPU.
-    Setting ``ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2`` before Python starts makes both take their AVX2 paths
-    on any CPU that has AVX2.
+    A reproducible build (``sft_checkpoint``'s default) therefore runs in a fresh interpreter started with
+    ``REPRODUCIBLE_KERNELS``, the AVX2 path every x86-64 CPU with AVX2 shares, so the same recipe rebuilds the
+    same bytes on any such CPU.
     """
 
     envs: tuple[str, ...]
@@ -354,14 +360,24 @@ def shipped_checkpoint(name: str, root: Path | None = None) -> Path | None:
     return src
 
 
-def sft_checkpoint(config: SFTConfig | str, log: Callable[[str], None] = print, shipped: bool = True) -> Path:
+def sft_checkpoint(
+    config: SFTConfig | str,
+    log: Callable[[str], None] = print,
+    shipped: bool = True,
+    reproducible: bool = True,
+) -> Path:
     """The fine-tuned model directory for ``config`` (or for env name ``config``'s preset,
     ``SFTConfig.for_env``), trained and cached on first use under ``$STREAMRL_CACHE/sft/`` (atomic, locked)::
 
         HFBackend(sft_checkpoint("math_tir"))   # start Math-TIR RL from its SFT checkpoint
 
     With ``shipped`` a checkpoint kept in the repository under the same name (``SHIPPED``) is copied into the
-    cache, after its sha256 are checked, instead of being built.
+    cache, after its sha256 are checked, instead of being built. With ``reproducible`` a build runs in a fresh
+    interpreter on the shared AVX2 kernel path (``REPRODUCIBLE_KERNELS``), so its bytes do not depend on the
+    CPU model or on the caller's kernel variables; ``reproducible=False`` builds in this process with whatever
+    kernels it uses (faster on an AVX-512 CPU, weights particular to it). The kernel path is not part of the
+    cache key: a cached checkpoint is returned whichever path built it (``platform.kernels`` in its
+    ``streamrl_sft.json`` says which).
     """
     if isinstance(config, str):
         config = SFTConfig.for_env(config)
@@ -376,16 +392,20 @@ def sft_checkpoint(config: SFTConfig | str, log: Callable[[str], None] = print, 
             log(f"SFT checkpoint {target.name}: the shipped copy ({src}, sha256 checked)")
             return
         if config.restarts:
-            _keep_an_attempt(out, config, log, shipped)
+            _keep_an_attempt(out, config, log, shipped, reproducible)
             return
         start = config.start()  # the checkpoint to start from is built (or found) first, under its own lock
-        start_dir = None if start is None else sft_checkpoint(start, log)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(config.threads)
-        try:
-            _build_checkpoint(out, config, base, start_dir, log)
-        finally:
-            torch.set_num_threads(threads)
+        start_dir = None if start is None else sft_checkpoint(start, log, reproducible=reproducible)
+        if reproducible:
+            run_in_reproducible_interpreter(
+                "streamrl.algorithms.sft:_build_checkpoint",
+                (out, config, base, start_dir),
+                what=f"SFT checkpoint {target.name}",
+                required=True,
+                log=log,
+            )
+            return
+        _build_checkpoint(out, config, base, start_dir, log)
 
     return build_once(target, build)
 
@@ -410,13 +430,15 @@ def _copy_files(src: Path, out: Path, skip: str) -> None:
             shutil.copyfile(f, out / f.name)
 
 
-def _keep_an_attempt(out: Path, config: SFTConfig, log: Callable[[str], None], shipped: bool) -> None:
+def _keep_an_attempt(
+    out: Path, config: SFTConfig, log: Callable[[str], None], shipped: bool, reproducible: bool
+) -> None:
     """Build (or find) ``config``'s attempts in order until one's best validation reaches ``restart_below``; copy
     that one (else the best) into ``out``, its report extended with ``restarts``: every attempt tried, its seed,
     key, best validation, weights' sha256 and build times (what the recipe cost), and which was kept."""
     tried: list[tuple[SFTConfig, Path, dict[str, Any]]] = []  # (attempt, its checkpoint, its report)
     for attempt in restart_attempts(config):
-        path = sft_checkpoint(attempt, log, shipped=shipped)
+        path = sft_checkpoint(attempt, log, shipped=shipped, reproducible=reproducible)
         report = json.loads((path / "streamrl_sft.json").read_text())
         tried.append((attempt, path, report))
         best = max(report["validation_by_epoch"])
@@ -452,7 +474,19 @@ def _build_checkpoint(
 ) -> None:
     """Collect the expert data, train and save the checkpoint of ``config`` into ``out`` with its report
     ``streamrl_sft.json`` (the sha256 of the weights, of the starting weights and of the training data, and
-    the platform facts that change the floats). The caller has set torch's thread count."""
+    the platform facts that change the floats), on ``config.threads`` torch threads (the caller's count is
+    restored after)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.threads)
+    try:
+        _build_checkpoint_on_threads(out, config, base, start_dir, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _build_checkpoint_on_threads(
+    out: Path, config: SFTConfig, base: Path, start_dir: Path | None, log: Callable[[str], None]
+) -> None:
     tokenizer = load_tokenizer(base)
     sequences: list[TokenSequence] = []
     stats: dict[str, Any] = {}
@@ -539,7 +573,8 @@ def _platform() -> dict[str, Any]:
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "env": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "MKL_CBWR") if k in os.environ},
+        "env": {k: os.environ[k] for k in REPRODUCIBLE_KERNELS if k in os.environ},
+        "kernels": "reproducible" if on_reproducible_kernels() else "native",
     }
 
 

@@ -79,6 +79,10 @@ class SFTRunOptions:
     shipped: bool = True
     """Use a checkpoint kept in the repository (``checkpoints/``) when one has the recipe's key, after checking
     its sha256; ``--no-shipped`` builds it (into an empty ``STREAMRL_CACHE``: the bit-for-bit rebuild)."""
+    native_kernels: bool = False
+    """Build with this CPU's own kernels in this process (faster on AVX-512 CPUs) instead of the reproducible
+    build's fresh interpreter on the AVX2 kernel path every x86-64 CPU shares: the weights then differ from a
+    build on another CPU model (``sft_checkpoint(reproducible=False)``)."""
 
     def __post_init__(self) -> None:
         if self.eval_episodes < 0 or self.eval_batch < 1:
@@ -131,7 +135,7 @@ def _sft(argv: Sequence[str]) -> int:
     report: dict[str, Any] = {"checkpoints": []}
     for config in configs:
         started = time.perf_counter()
-        path = sft_checkpoint(config, log, shipped=options.shipped)
+        path = sft_checkpoint(config, log, shipped=options.shipped, reproducible=not options.native_kernels)
         entry: dict[str, Any] = {
             "checkpoint": str(path),
             "sft": json.loads((path / "streamrl_sft.json").read_text()),

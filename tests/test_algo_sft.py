@@ -3,9 +3,11 @@ rebuilds bit for bit."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -106,16 +108,17 @@ def test_restarts_keep_the_first_attempt_that_validates_else_the_best(
     small = dict(
         max_expert_episodes=4, synthetic_episodes=4, epochs=1, batch_size=4, select_best_of=1, restarts=0
     )
-    quiet = lambda _: None  # noqa: E731
-    path = sft_checkpoint(SFTConfig.math_tir(**{**small, "restarts": 2, "restart_below": 0.5}), log=quiet)
+    # In this process (reproducible=False), where the scripted validator is patched in.
+    build = functools.partial(sft_checkpoint, log=lambda _: None, reproducible=False)
+    path = build(SFTConfig.math_tir(**{**small, "restarts": 2, "restart_below": 0.5}))
     restarts = json.loads((path / "streamrl_sft.json").read_text())["restarts"]
     assert [a["seed"] for a in restarts["attempts"]] == [0, 1000, 2000]  # none reached 0.5: all were tried
     assert restarts["kept"] == 1  # ... and the best was kept
-    attempts = [sft_checkpoint(SFTConfig.math_tir(**small, seed=s), log=quiet) for s in (0, 1000)]
+    attempts = [build(SFTConfig.math_tir(**small, seed=s)) for s in (0, 1000)]
     assert [a["key"] for a in restarts["attempts"][:2]] == [p.name.rsplit("-", 1)[1] for p in attempts]
     assert weights_sha256(path) == weights_sha256(attempts[1]) != weights_sha256(attempts[0])
     # the first attempt that reaches the bar ends the search (attempts 0 and 1 are cached by now)
-    path = sft_checkpoint(SFTConfig.math_tir(**{**small, "restarts": 2, "restart_below": 0.25}), log=quiet)
+    path = build(SFTConfig.math_tir(**{**small, "restarts": 2, "restart_below": 0.25}))
     restarts = json.loads((path / "streamrl_sft.json").read_text())["restarts"]
     assert [a["seed"] for a in restarts["attempts"]] == [0, 1000] and restarts["kept"] == 1
     with pytest.raises(ValueError, match="restarts=1 needs a validation"):
@@ -190,15 +193,19 @@ def test_a_recipe_rebuilds_bit_for_bit_in_fresh_caches(tmp_path: Path) -> None:
     # Issue 14: the same recipe and seed gave different models. Two processes, each with a fresh cache (the tiny
     # model and its tokenizer are trained again), another PYTHONHASHSEED and another torch thread count of its
     # own (1 and 2 threads train different weights unless the build pins them), must write the same bytes.
+    # Issue 36: one is started on torch's scalar kernels and one on its AVX2 kernels (without the reproducible
+    # build's own interpreter they train different weights on an AVX-512 CPU).
     builds = []
-    for k, threads in enumerate((1, 2)):
+    for k, (threads, kernels) in enumerate(((1, "default"), (2, "avx2"))):
         env = {
             **os.environ,
             "STREAMRL_CACHE": str(tmp_path / f"cache{k}"),
             "PYTHONHASHSEED": str(k + 1),
             "OMP_NUM_THREADS": str(threads),
             "MKL_NUM_THREADS": str(threads),
+            "ATEN_CPU_CAPABILITY": kernels,
         }
+        env.pop("MKL_CBWR", None)
         run = subprocess.run(
             [sys.executable, "-c", _REBUILD, str(threads)],
             env=env,
@@ -229,6 +236,27 @@ def test_a_recipe_rebuilds_bit_for_bit_in_fresh_caches(tmp_path: Path) -> None:
     )
     assert report_a["data_sha256"] == report_b["data_sha256"]
     assert report_a["platform"]["threads"] == report_b["platform"]["threads"] == 1
+    for report in (report_a, report_b):
+        assert report["platform"]["kernels"] == "reproducible"
+        assert report["platform"]["cpu_capability"] == "AVX2"
+
+
+def test_a_reproducible_build_refuses_a_cpu_off_the_avx2_path(tmp_path: Path) -> None:
+    # The build's interpreter checks the kernel path torch took before any work. An interpreter on torch's
+    # scalar kernels stands in for a CPU without AVX2: it must refuse by name and point at the opt-out.
+    job = tmp_path / "job.pkl"
+    args = (tmp_path / "out", SFTConfig.math_tir(), tmp_path / "base", None)
+    job.write_bytes(pickle.dumps(("streamrl.algorithms.sft:_build_checkpoint", args, "a checkpoint", True)))
+    run = subprocess.run(
+        [sys.executable, "-c", "from streamrl.agents.reproducible import _child; _child()", str(job)],
+        env={**os.environ, "ATEN_CPU_CAPABILITY": "default"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2 and "reproducible build of a checkpoint refused" in run.stdout, run.stdout
+    assert "torch runs its DEFAULT kernels" in run.stdout and "--native-kernels" in run.stdout
+    assert not (tmp_path / "out").exists()
 
 
 def test_data_fingerprint_covers_tokens_and_masks(tokenizer) -> None:  # type: ignore[no-untyped-def]
@@ -272,10 +300,11 @@ def test_a_shipped_checkpoint_is_copied_after_its_sha256_check(
     monkeypatch.setattr(sft, "SHIPPED", shipped)
     monkeypatch.setattr(sft, "cache_root", lambda: tmp_path / "cache")
 
-    def no_build(*args: object) -> None:
+    def no_build(*args: object, **kwargs: object) -> None:
         raise AssertionError("built instead of using the shipped copy")
 
     monkeypatch.setattr(sft, "_build_checkpoint", no_build)
+    monkeypatch.setattr(sft, "run_in_reproducible_interpreter", no_build)
     out = sft_checkpoint(config, log=lambda _: None)
     assert out == tmp_path / "cache" / "sft" / name
     assert (out / "model.safetensors").read_bytes() == (real / "model.safetensors").read_bytes()
