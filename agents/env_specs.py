@@ -182,9 +182,8 @@ ENV_SPECS: dict[str, EnvSpec] = {
         # observation, which a window always keeps), the current observation and the admissible commands, so
         # the policy sees exactly that: a window of one past turn, and the admissible commands without the
         # ~25 "go to" ones (the room description names every receptacle), one per line so that a listed
-        # command is the same token string as the reply that issues it (~320 tokens a turn). Measured with
-        # the omniscient walkthrough expert instead (its moves cannot be inferred from the observations):
-        # 0% success in every variant (full history or window, with or without the list, 6-20 epochs).
+        # command is the same token string as the reply that issues it. An expert that decides from more
+        # than the policy sees (the walkthrough) cannot be imitated (docs/sft.md).
         prompt=lambda: ALFWorldPrompt(list_admissible=True, list_go_to=False, one_command_per_line=True),
         context=ContextPolicy(mode="window", window_turns=1, max_context_tokens=1024),
         max_new_tokens=24,
@@ -192,8 +191,8 @@ ENV_SPECS: dict[str, EnvSpec] = {
         env_kwargs={"max_steps": 50},  # ALFWorld's own limit
         random_action=_alfworld_random_action,
         slip_action=_alfworld_slip,
-        # Searching takes long in kitchens with many closed cabinets: the expert wins 111/128 training games
-        # within 50 steps, all 128 within 100 (tests/test_alfworld_agents.py).
+        # Searching takes long in kitchens with many closed cabinets: within ALFWorld's 50 steps the expert
+        # loses some training games it wins within 100 (docs/sft.md, How it works)
         expert_env_kwargs={"max_steps": 100},
         synthetic_tasks=_alfworld_extra_games,
     ),

@@ -2,7 +2,8 @@
 
 The SPO++ paper starts Math-TIR from an SFT checkpoint; this module gives a small model (``tiny``) the same
 kind of start. RL on an env starts from that env's own checkpoint (``sft_checkpoint("math_tir")``,
-``sft_checkpoint("alfworld")``): trained on both envs' data together, ``tiny`` left Math-TIR at 3%.
+``sft_checkpoint("alfworld")``): a model small enough to train on CPU loses most of one env's skill when
+trained on both envs' data together (docs/sft.md).
 
 1. **Expert data** (``streamrl.agents.teacher_forcing``): expert episodes played through the ``LLMAgent``'s
    own rendering, so the training sequences have the token layout and ``action_mask`` the agent produces at
@@ -15,8 +16,8 @@ kind of start. RL on an env starts from that env's own checkpoint (``sft_checkpo
 3. **Cache** (``sft_checkpoint``): the checkpoint is saved under ``$STREAMRL_CACHE/sft/<model>-sft-<key>``
    (``SFTConfig.key()``), built once under a lock, so tests, examples and RL runs reuse it.
 
-The recipes are the ``SFTConfig`` presets; what each one reaches, and the variants measured and not kept, are
-in docs/sft.md. Command line: ``streamrl sft`` (``streamrl sft --help``).
+The recipes are the ``SFTConfig`` presets; what each one reaches, and the variants tried and not kept, are in
+docs/sft.md. Command line: ``streamrl sft`` (``streamrl sft --help``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +75,8 @@ class SFTConfig:
 
     envs: tuple[str, ...]
     """Envs whose expert data is mixed into one training set (one checkpoint plays all of them). One env per
-    checkpoint is the recommended use: on ``tiny``, training on both envs together left Math-TIR at 3%."""
+    checkpoint is the recommended use: on ``tiny``, training on both envs together costs Math-TIR most of its
+    skill (docs/sft.md)."""
     model: str = "tiny"
     """Registry name or local HF directory of the model to fine-tune."""
     max_expert_episodes: int = 0
@@ -95,7 +98,7 @@ class SFTConfig:
     downsample: tuple[tuple[str, float], ...] = ()
     """``(action prefix, keep probability)`` pairs: an expert turn whose action starts with the prefix is a
     training target with that probability, otherwise context only (``sequences_of``); e.g.
-    ``(("go to ", 0.25),)`` keeps a quarter of ALFWorld's search steps (~60% of its turns)."""
+    ``(("go to ", 0.25),)`` keeps a quarter of ALFWorld's search steps, the most frequent of its turns."""
     context_weight: float = 0.0
     """Weight of a language-modelling loss on the context tokens (prompt, observations, tool output), added to
     the action tokens' loss as ``action NLL + context_weight * context NLL`` (each a mean over its tokens).
@@ -215,13 +218,13 @@ class SFTConfig:
 
     @classmethod
     def alfworld(cls, **overrides: Any) -> SFTConfig:
-        """ALFWorld's recipe: of the variants measured (docs/sft.md), the one that wins most sampled episodes.
-        1,152 games (the 128 RL trains on and 1,024 more of the same floor plans), 2 epochs from Math-TIR's
-        checkpoint (its copy skills are what ALFWorld's commands need), the context loss at 0.3 (the
-        observations and admissible commands teach copying object names), and part of the frequent turns left
-        as context only: 3 in 10 "go to" and 3 in 10 "open" turns are targets. The search step ("go to" the
-        receptacle after the current one in the room description) is the hard one; keeping 1 in 10 of them
-        trained it too little, keeping all of them on a third of the games lost the variety that ``take`` and
+        """ALFWorld's recipe (its measurements and the variants not kept: docs/sft.md). 1,152 games (the 128 RL
+        trains on and 1,024 more of the same floor plans), 2 epochs from Math-TIR's checkpoint (its copy skills
+        are what ALFWorld's commands need), the context loss at 0.3 (the observations and admissible commands
+        teach copying object names), and part of the frequent turns left as context only: 3 in 10 "go to" and
+        3 in 10 "open" turns are targets. The search step ("go to" the
+        receptacle after the current one in the room description) is the hard one: it needs enough of its turns
+        as targets to be learnt, and enough games for the variety of objects and rooms that ``take`` and
         ``move`` need."""
         return cls(
             **{
@@ -336,8 +339,18 @@ def train_sft(
     return losses
 
 
-SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints"
-"""Cold-start checkpoints kept in the repository, one directory per cache name (``<model>-sft-<key>``) holding
+def _shipped_root() -> Path:
+    """The folder of package ``streamrl.checkpoints`` (package data): ``checkpoints/`` in a checkout, inside
+    site-packages in a wheel or ``pip install .``. An editable install made before that package existed does not
+    know it; its checkout's ``checkpoints/``, beside this package's folder, is then the same folder."""
+    try:
+        return Path(str(resources.files("streamrl.checkpoints")))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[1] / "checkpoints"
+
+
+SHIPPED = _shipped_root()
+"""Cold-start checkpoints shipped with streamrl, one directory per cache name (``<model>-sft-<key>``) holding
 the checkpoint's files and ``SHA256SUMS``: what its own recipe built, so a fresh machine need not pay for the
 build. ``streamrl sft --envs ENV --no-shipped`` rebuilds one (``docs/sft.md``: Shipped checkpoints)."""
 

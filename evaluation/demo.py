@@ -35,10 +35,10 @@ from typing import Any, Literal
 from streamrl.evaluation.stats import MeanInterval, t_interval, wilson_interval
 
 DEMO_COLD_START: Mapping[str, Any] = {"epochs": 3, "select_best_of": 0, "restarts": 0, "restart_below": 0.0}
-"""The demo's SFT recipe, as overrides of Math-TIR's preset: 3 epochs, no model selection (the preset until
-2026-12-02; its seed-0 checkpoint is shipped). The preset's own start already solves about three held-out
-episodes in four, where the demo's 60 updates on 2 cores show no clear gain (docs/training.md, "The demo");
-this one solves about one in three, where SPO++'s gain clears its interval within minutes."""
+"""The demo's SFT recipe, as overrides of Math-TIR's preset: 3 epochs, no model selection (its seed-0 checkpoint
+is shipped). A start weaker than the preset's, so that the demo's few minutes of SPO++ have room to show a gain
+beyond the paired interval; from the preset's stronger start they show none (docs/training.md, "The demo";
+docs/sft.md, the 3-epoch recipe)."""
 
 
 @dataclass(frozen=True)
