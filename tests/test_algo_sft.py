@@ -269,7 +269,7 @@ def test_data_fingerprint_covers_tokens_and_masks(tokenizer) -> None:  # type: i
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Shipped checkpoints (checkpoints/ in the repository)
+# Shipped checkpoints (package streamrl.checkpoints: checkpoints/ in the repository)
 
 
 def test_the_shipped_checkpoints_are_the_current_recipes_and_intact() -> None:
@@ -281,7 +281,8 @@ def test_the_shipped_checkpoints_are_the_current_recipes_and_intact() -> None:
         f"{resolve_model('tiny').name}-sft-{config.key()}"
         for config in (SFTConfig.math_tir(), SFTConfig.alfworld(), SFTConfig.math_tir(**DEMO_COLD_START))
     }
-    assert {d.name for d in SHIPPED.iterdir()} == names
+    # SHIPPED is package streamrl.checkpoints: beside the checkpoints, its __init__.py and __pycache__/
+    assert {d.name for d in SHIPPED.iterdir() if d.is_dir() and d.name != "__pycache__"} == names
     for name in names:
         assert shipped_checkpoint(name) == SHIPPED / name
 
