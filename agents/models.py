@@ -78,7 +78,8 @@ class TinyModelConfig:
     """Shape and seeds of the ``tiny`` model. Every field is part of the cache key.
 
     Defaults give ~2.1 M parameters (tied embeddings): big enough to behaviour-clone the expert agents in a
-    few CPU minutes (``streamrl.algorithms.sft``), small enough for ~300 tokens/s generation on one core.
+    few CPU minutes (``streamrl.algorithms.sft``), small enough to generate fast on one core
+    (docs/platform.md, Models).
     """
 
     vocab_size: int = 4096

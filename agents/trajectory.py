@@ -1,4 +1,4 @@
-"""The trajectory record: one finished episode, self-contained, for a learner anywhere (DESIGN.md).
+"""The trajectory record: one finished episode, self-contained, for a learner in any process.
 
 A ``Trajectory`` holds one or more ``TokenSequence``s -- the exact token ids the policy saw and produced, with
 ``action_mask`` 1 on policy-generated tokens and 0 on prompt, observation and tool-output tokens, the
@@ -181,7 +181,7 @@ class Trajectory:
         if self.context_policy not in CONTEXT_POLICIES:
             raise ValueError(f"context_policy must be one of {CONTEXT_POLICIES}, got {self.context_policy!r}")
 
-    # -- the single-sequence view of DESIGN.md's table ---------------------------------------------------
+    # -- the single-sequence view: one trajectory as one sequence, for the "full" context policy ----------
 
     def _only(self) -> TokenSequence:
         if len(self.sequences) != 1:

@@ -25,8 +25,8 @@
   same base model and adapter (catches everything that goes wrong inside vLLM: a failed or partial load, a
   stale cached adapter, requests routed without it). If the mean absolute difference exceeds
   ``adapter_atol`` it raises ``AdapterMismatchError`` -- saying whether vLLM matches the base model instead --
-  and the previous adapter stays in service. The check's resolution is the precision's: ~1e-5 nats/token in
-  float32, ~0.1 in bfloat16 (measured; see ``VLLMBackendConfig.adapter_atol``).
+  and the previous adapter stays in service. The check's resolution is the precision's: fine in float32,
+  coarse in bfloat16 (``VLLMBackendConfig.adapter_atol``; the differences measured: ``docs/platform.md`` §4).
 
 Threading: the engine's asyncio loop runs in a background thread that this object owns. The synchronous
 protocol methods work from ordinary code (several threads may call them at once; their requests batch
@@ -100,7 +100,7 @@ class VLLMBackendConfig:
     """How the vLLM engine is built. ``None`` fields take the value documented on each."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """"auto" = float32 on CPU (no bf16 units on the CPUs measured; ``docs/platform.md`` §4), bfloat16 on a GPU."""
+    """"auto" = float32 on CPU (CPUs without bf16 units; ``docs/platform.md`` §4), bfloat16 on a GPU."""
     max_model_len: int | None = None
     """Longest prompt + completion in tokens; ``None`` = the model's own context length."""
     max_num_seqs: int | None = None
@@ -131,10 +131,10 @@ class VLLMBackendConfig:
     "auto" = from ``streamrl_probe.json`` if present, else computed by a CPU ``HFBackend``;
     "probe-file" = the file must exist; "off" = no check (``list_loras`` is still checked)."""
     adapter_atol: float | None = None
-    """Largest allowed mean |served - expected| probe log-prob (nats/token); ``None`` = 1e-3 in float32
-    (measured: ~1e-5 for smollm2-135m, ~1e-6 for tiny) and 0.2 in 16-bit (measured 0.05-0.1 for smollm2-135m
-    in bfloat16 against a float32 reference). In 16-bit the check therefore only sees adapters that move the
-    probe by more than ~0.2 nats/token; smaller ones pass (logged at INFO)."""
+    """Largest allowed mean |served - expected| probe log-prob (nats/token); ``None`` = 1e-3 in float32 and
+    0.2 in 16-bit: each well above what a correctly served adapter differs by in that precision
+    (``docs/platform.md`` §4). In 16-bit the check therefore only sees adapters that move the probe by more
+    than ~0.2 nats/token; smaller ones pass (logged at INFO)."""
     probe_length: int = 64
     """Tokens in the probe sequence (when no probe file gives one)."""
     request_timeout_s: float = 900.0

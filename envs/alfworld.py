@@ -14,10 +14,8 @@ One engine per env, reused across games with ``load`` (each new ``PddlEnv`` dlop
 the 34 MB planner library that is never freed); engines of closed envs are reused by later envs in the
 same process. The engine is not thread-safe: run parallel envs in processes.
 
-Speed with ``textworld_patches`` (applied on import), 2-core machine under load: 4-7 ms per step, 12-20 ms
-per reset, ~20 ms to switch to a recently played game, ~0.1 s from the disk cache, ~0.7 s for a never-seen
-game (PDDL->SAS translation, then cached on disk); stock TextWorld: 100-130 ms per step, 1.2-1.8 s per
-reset (``benchmarks/bench_alfworld.py``, ``benchmarks/results/alfworld.json``).
+``textworld_patches`` (applied on import) makes steps and resets many times faster than stock TextWorld's,
+with the same transcripts; what each costs: ``docs/alfworld.md`` §4 (``benchmarks/bench_alfworld.py``).
 """
 
 from __future__ import annotations

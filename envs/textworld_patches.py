@@ -1,6 +1,5 @@
-"""Speed patches for TextWorld's PDDL engine (byte-identical transcripts; ~20x faster steps, ~90x faster
-resets on ALFWorld rooms, ``benchmarks/results/alfworld.json``) and a disk cache of the PDDL->SAS
-translation.
+"""Speed patches for TextWorld's PDDL engine (byte-identical transcripts; the speed-ups on ALFWorld rooms:
+``docs/alfworld.md`` §4, ``benchmarks/results/alfworld.json``) and a disk cache of the PDDL->SAS translation.
 
 TextWorld 1.7's ``PddlEnv`` spends almost all of its time re-doing pure work:
 

@@ -77,8 +77,8 @@ class SFTRunOptions:
     out: Path | None = None
     """Also write the JSON report to this file."""
     shipped: bool = True
-    """Use a checkpoint kept in the repository (``checkpoints/``) when one has the recipe's key, after checking
-    its sha256; ``--no-shipped`` builds it (into an empty ``STREAMRL_CACHE``: the bit-for-bit rebuild)."""
+    """Use a checkpoint shipped with streamrl (``checkpoints/``, package data) when one has the recipe's key,
+    after checking its sha256; ``--no-shipped`` builds it (into an empty ``STREAMRL_CACHE``: the bit-for-bit rebuild)."""
     native_kernels: bool = False
     """Build with this CPU's own kernels in this process (faster on AVX-512 CPUs) instead of the reproducible
     build's fresh interpreter on the AVX2 kernel path every x86-64 CPU shares: the weights then differ from a
