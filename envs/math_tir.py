@@ -39,6 +39,7 @@ from streamrl.envs.sandbox import (
     SandboxConfig,
     SandboxPool,
     acquire_shared_pool,
+    check_isolation,
     error_summary,
     release_shared_pool,
     truncate_middle,
@@ -92,7 +93,8 @@ class MathTIRConfig:
     answer_timeout_s: float = 5.0
     """Time bound of one symbolic answer check (math-verify / sympy, in a process killed at the bound)."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
-    """Limits of the Python tool sandbox."""
+    """Limits and isolation mode of the Python tool sandbox (and the answer checker's, which follows its
+    ``isolation``)."""
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -193,6 +195,8 @@ class MathTIREnv(TextEnv):
                 )
             config = replace(config, **overrides)
         self.config = config
+        # Refuse here, not at the first tool call, where the kernel cannot isolate model code.
+        check_isolation(config.sandbox)
         self.tasks = self._load_tasks(tasks)
         super().__init__([t.task_id for t in self.tasks], render_mode=render_mode)
         self._by_id = {t.task_id: t for t in self.tasks}
@@ -251,7 +255,9 @@ class MathTIREnv(TextEnv):
             if turn.answer is not None:
                 answer, terminated = turn.answer, True
                 if self._grader is None:
-                    self._grader = acquire_shared_pool(grading_sandbox(self.config.answer_timeout_s))
+                    grading = grading_sandbox(self.config.answer_timeout_s)
+                    isolation = self.config.sandbox.isolation  # the same choice as the tool's
+                    self._grader = acquire_shared_pool(replace(grading, isolation=isolation))
                 won = answers_equal(
                     answer, self._task.answer, timeout_s=self.config.answer_timeout_s, pool=self._grader
                 )

@@ -43,7 +43,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import errno
 import json
+import logging
 import os
 import queue
 import re
@@ -57,7 +59,7 @@ import tempfile
 import threading
 import time
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 ToolStatus = Literal["ok", "error", "timeout", "killed"]
@@ -68,9 +70,18 @@ _CLONE_NEWPID = 0x20000000
 _CLONE_NEWNET = 0x40000000
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_SET_PDEATHSIG = 1
 _CLONE_NEWNS = 0x00020000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_NOATIME = 1, 2, 4, 8, 32, 1024
 _MS_BIND, _MS_REC, _MS_PRIVATE = 4096, 16384, 1 << 18
+_MS_NODIRATIME, _MS_RELATIME, _ST_RELATIME = 2048, 1 << 21, 4096
+_MNT_DETACH = 2
+_SYS_MOUNT_SETATTR = 442  # the same number on x86_64 and arm64
+_AT_RECURSIVE, _MOUNT_ATTR_RDONLY = 0x8000, 0x1
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+
+Isolation = Literal["namespaces", "rlimits"]
+ISOLATION_MODES: tuple[Isolation, ...] = ("namespaces", "rlimits")
 
 
 @dataclass(frozen=True)
@@ -106,10 +117,20 @@ class SandboxConfig:
     """Modules the zygote imports once so calls do not pay for them."""
     sandbox_uid: int = 65534
     """Uid (and gid) the child switches to when the zygote runs as root (65534 = ``nobody``)."""
+    isolation: Isolation = "namespaces"
+    """``"namespaces"`` (default): each call runs in user (unless root), mount, PID and network namespaces --
+    a read-only view of the system and the interpreter only, a fresh tmpfs, its own ``/proc``, no network
+    -- and creating a pool fails with :class:`SandboxUnavailableError` where the kernel does not allow it.
+    ``"rlimits"``: no namespaces at all; rlimits, the wall-clock timeout, a scrubbed environment, a private
+    work directory and (as root) the uid switch only. The code can then read and write whatever the
+    running user can and, run by an ordinary user, signal that user's processes. Choosing it is logged once
+    per process. docs/platform.md §7 lists what each mode holds."""
     isolate_network: bool = True
-    """Run each call in a new network namespace where the kernel permits it."""
+    """In ``namespaces`` mode: give the calls a network namespace with only a down loopback (no network)."""
     isolate_pids: bool = True
-    """Run each call as PID 1 of a new PID namespace where permitted (root), so nothing it starts survives."""
+    """In ``namespaces`` mode: run each call as PID 1 of a new PID namespace with its own ``/proc``, so
+    nothing it starts survives and it sees no other process. Turning it off leaves the host's ``/proc``
+    visible (as an ordinary user, the processes of that user could then be traced)."""
     warmup: bool = True
     """After preloading, run a small sympy/numpy workload in the zygote so that lazily imported submodules
     and sympy's caches are ready in every forked child (a first ``sympy.solve`` in a child drops from
@@ -130,6 +151,7 @@ class SandboxConfig:
             ("pool_size", self.pool_size >= 1, ">= 1"),
             ("sandbox_uid", self.sandbox_uid > 0, "> 0 (a non-root uid)"),
             ("start_timeout_s", self.start_timeout_s > 0, "> 0"),
+            ("isolation", self.isolation in ISOLATION_MODES, f"one of {ISOLATION_MODES}"),
         ]
         for name, ok, valid in checks:
             if not ok:
@@ -205,28 +227,79 @@ def _recv(fd: int, deadline: float | None = None) -> dict[str, Any]:
     return message
 
 
+class _SetupError(Exception):
+    """Isolation could not be set up in the zygote; ``cause`` says which kernel facility refused."""
+
+    def __init__(self, step: str, err: int, cause: str) -> None:
+        super().__init__(f"{step}: {os.strerror(err)} (errno {err})")
+        self.cause = cause
+
+
+def _refusal_cause(step: str, err: int) -> str:
+    """A sentence naming the likely reason the kernel refused ``step`` with ``err``."""
+    if step.startswith("unshare(CLONE_NEWUSER"):
+        if err == errno.ENOSPC:
+            return "the limit on user namespaces is reached (user.max_user_namespaces is 0 or used up)"
+        if err == errno.EPERM:
+            return (
+                "unprivileged user namespaces are disabled (kernel.unprivileged_userns_clone=0 on Debian/Ubuntu "
+                "kernels) or blocked by a seccomp filter (e.g. a container's default profile)"
+            )
+        if err == errno.EINVAL:
+            return "this kernel does not support user namespaces"
+    if err == errno.EPERM:
+        if os.geteuid() == 0:
+            return "root without CAP_SYS_ADMIN (e.g. an unprivileged container) cannot create namespaces"
+        return (
+            "the kernel created the user namespace but refused the mounts inside it (e.g. Ubuntu's AppArmor "
+            "restriction kernel.apparmor_restrict_unprivileged_userns=1, or a container that masks /proc)"
+        )
+    return f"{step} failed: {os.strerror(err)}"
+
+
 class _Zygote:
-    """The fork server's state; one instance lives in each spawned zygote process."""
+    """The fork server's state; one instance lives in each spawned zygote process.
+
+    In ``namespaces`` mode the zygote first isolates itself (:meth:`_isolate`): a user namespace unless it
+    is root, a mount namespace whose root holds only the system directories and the interpreter, all
+    read-only, and a network namespace with only a down loopback. Each call then forks a child into a new
+    PID namespace that adds a fresh tmpfs and its own ``/proc``. In ``rlimits`` mode nothing of this
+    happens: the child gets rlimits, a private work directory and the process-group kill.
+    """
 
     def __init__(self, config: SandboxConfig, req_fd: int, resp_fd: int, scratch: str) -> None:
         self.config = config
         self.req_fd, self.resp_fd = req_fd, resp_fd
         self.libc = ctypes.CDLL(None, use_errno=True)
         self.is_root = os.geteuid() == 0
-        self.readonly = False
-        self.private_fs = self.is_root and self._private_mounts()
+        self.namespaces = config.isolation == "namespaces"
+        self.user_ns = self.net_ns = self.private_fs = self.readonly = False
+        if self.namespaces:
+            self._isolate()
         self.drop_uid = self.is_root and self._probe_uid_drop()
-        # Work directories: a fresh /tmp per call with private mounts, else folders under the pool's
-        # scratch directory (which the pool removes even if this process is killed).
+        # Work directories: a fresh tmpfs on /tmp per call in namespaces mode, else folders under the
+        # pool's scratch directory (which the pool removes even if this process is killed).
         self.base_dir = None if self.private_fs else scratch
         if self.base_dir is not None and self.drop_uid:
             os.chmod(self.base_dir, 0o711)  # the sandbox uid must reach its own work directory inside
+        # /proc is the host's here, so /proc/self names this process as the pool sees it.
+        self.host_pid = int(os.readlink("/proc/self"))
         self.own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY)
-        self.pid_ns = config.isolate_pids and self._probe_pid_namespace()
-        if not self.pid_ns:
+        self.pid_ns = self.namespaces and config.isolate_pids
+        if self.pid_ns:
+            self._check(self.libc.unshare(_CLONE_NEWPID), "unshare(CLONE_NEWPID)")
+            self._check(self.libc.setns(self.own_pid_ns, _CLONE_NEWPID), "setns(CLONE_NEWPID)")
+        else:
             # Orphans of a call are re-parented to us, so we can find and kill them after the call.
             self.libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-        self.net_ns: bool | None = None  # learnt from the first child (it is the one that unshares)
+        self.own_proc = False
+        if self.namespaces:
+            self._dry_run()
+
+    def _check(self, rc: int, step: str) -> None:
+        if rc != 0:
+            err = ctypes.get_errno()
+            raise _SetupError(step, err, _refusal_cause(step, err))
 
     def _mount(self, source: str | None, target: str, fstype: str | None, flags: int, data: str = "") -> None:
         def enc(value: str | None) -> bytes | None:
@@ -234,75 +307,148 @@ class _Zygote:
 
         if self.libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)) != 0:
             err = ctypes.get_errno()
-            raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
+            raise _SetupError(f"mount {source} on {target}", err, _refusal_cause("mount", err))
 
-    def _private_mounts(self) -> bool:
-        """Give the zygote its own mount namespace (root only), in which each call gets another one
-        (:meth:`_fresh_scratch`), and:
+    # ---- zygote setup ----------------------------------------------------------------------------
+    def _isolate(self) -> None:
+        """Enter a user namespace (unless root), a mount, a network and a PID namespace, and switch to a root
+        that shows the system read-only and nothing of the host's data.
 
-        * every filesystem is remounted read-only (except ``/proc``, ``/sys``, ``/dev``), so the code can
-          write only to its fresh scratch mounts (defence in depth on top of the uid switch);
-        * directories the sandbox uid cannot traverse on the way to the interpreter (e.g. a pyenv Python
-          under a ``0700`` ``/root``) are covered by a tmpfs holding bind mounts of just the interpreter's
-          trees, so the unprivileged child can import the standard library and site-packages while the
-          rest of that directory (keys, credentials) stays invisible.
+        As an ordinary user the zygote maps its own uid and gid into the new user namespace (``setgroups``
+        denied, as the kernel requires); it then holds capabilities over its own namespaces only, which
+        every call drops before running code. The process the pool started stays outside the new PID
+        namespace and only waits: the zygote proper is its child, PID 1 there, so that it may hand each
+        call a PID namespace of its own and return to its own afterwards (``setns`` into a PID namespace
+        needs privilege over the user namespace that owns it, which an ordinary user has only for its own).
         """
-        import stat
+        uid, gid = os.getuid(), os.getgid()
+        flags = _CLONE_NEWNS
+        flags |= _CLONE_NEWNET if self.config.isolate_network else 0
+        flags |= _CLONE_NEWPID if self.config.isolate_pids else 0
+        if not self.is_root:
+            self._check(self.libc.unshare(_CLONE_NEWUSER | flags), "unshare(CLONE_NEWUSER|CLONE_NEWNS)")
+            name = "setgroups"
+            try:
+                for name, text in (
+                    ("setgroups", "deny"),
+                    ("uid_map", f"{uid} {uid} 1"),
+                    ("gid_map", f"{gid} {gid} 1"),
+                ):
+                    with open(f"/proc/self/{name}", "w") as f:
+                        f.write(text)
+            except OSError as e:
+                raise _SetupError(
+                    f"writing /proc/self/{name}", e.errno or 0, _refusal_cause("mount", e.errno or 0)
+                ) from e
+            self.user_ns = True
+        else:
+            self._check(self.libc.unshare(flags), "unshare(CLONE_NEWNS)")
+        if self.config.isolate_pids:
+            self._become_pid_1()
+        self.net_ns = self.config.isolate_network
+        self._mount(None, "/", None, _MS_REC | _MS_PRIVATE)
+        self._build_root()
+        self.private_fs = True
+        self.readonly = bool(os.statvfs("/").f_flag & os.ST_RDONLY)
 
-        if self.libc.unshare(_CLONE_NEWNS) != 0:
-            return False
-        try:
-            self._mount(None, "/", None, _MS_REC | _MS_PRIVATE)
-            needed = sorted(
-                {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, *sys.path) if os.path.isdir(p)}
-            )
-            outermost = [p for p in needed if not any(p != q and p.startswith(q + os.sep) for q in needed)]
-            by_blocker: dict[str, list[str]] = {}
-            for path in outermost:
-                parts = path.split(os.sep)
-                for i in range(2, len(parts) + 1):
-                    prefix = os.sep.join(parts[:i])
-                    if not os.stat(prefix).st_mode & stat.S_IXOTH:
-                        by_blocker.setdefault(prefix, []).append(path)
-                        break
-            for blocker, paths in by_blocker.items():
-                fds = {path: os.open(path, os.O_PATH) for path in paths}
-                self._mount("tmpfs", blocker, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=1m")
-                for path, fd in fds.items():
-                    os.makedirs(path, exist_ok=True)
-                    self._mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC)
-                    os.close(fd)
-        except OSError:
-            return False
-        self.readonly = self._readonly_mounts()
-        return True
+    def _become_pid_1(self) -> None:
+        """Fork the zygote proper into the new PID namespace; this process waits for it and exits with it.
+        The zygote dies with this process (``PR_SET_PDEATHSIG``), and with it every call it runs."""
+        pid = os.fork()
+        if pid == 0:
+            # (Should the parent die before this line, the closed request pipe still ends the zygote.)
+            self.libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            return
+        os.close(self.req_fd)
+        os.close(self.resp_fd)
+        _, status = os.waitpid(pid, 0)
+        os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
 
-    def _readonly_mounts(self) -> bool:
-        """Remount every mount read-only (best effort); True when ``/`` itself is read-only now."""
+    def _build_root(self) -> None:
+        """Make a tmpfs holding bind mounts of ``/usr``, ``/etc`` (and the ``/bin``, ``/lib*`` links), a few
+        device nodes, ``/proc`` and the interpreter's own trees (``sys.prefix``, ``sys.base_prefix``,
+        ``sys.path``) at their usual paths; make all of it read-only and ``pivot_root`` into it.
+
+        Everything else -- ``/home``, ``/root``, the caller's ``$HOME``, ``/mnt``, ``/media``, ``/srv``,
+        ``/opt``, ``/var``, ``/run``, ``/sys``, project checkouts -- does not exist for the code. ``/tmp``
+        is an empty mount point (each call mounts a fresh tmpfs there); ``/var/tmp`` and ``/dev/shm`` are
+        links to it. The host's ``/proc`` stays mounted underneath each call's own ``/proc`` because the
+        kernel lets a user namespace mount a new ``/proc`` only where one is already fully visible.
+        """
+        system = [
+            p
+            for p in ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+            if os.path.lexists(p)
+        ]
+        links = {p: os.readlink(p) for p in system if os.path.islink(p)}
+        trees = sorted(
+            {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, *sys.path) if p and os.path.isdir(p)}
+        )
+        outermost = [p for p in trees if not any(p != q and p.startswith(q + os.sep) for q in trees)]
+        covered = [p for p in system if p not in links]
+        binds = [p for p in covered if os.path.isdir(p)]
+        binds += [
+            p for p in outermost if p != "/" and not any(p == q or p.startswith(q + os.sep) for q in covered)
+        ]
+        devices = [d for d in ("null", "zero", "full", "random", "urandom") if os.path.exists(f"/dev/{d}")]
+        # Open every source before the staging tmpfs hides whatever lies beneath it.
+        fds = {path: os.open(path, os.O_PATH) for path in [*binds, "/proc", *(f"/dev/{d}" for d in devices)]}
+        new = "/tmp"
+        self._mount("tmpfs", new, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=1m")
+        for path in [*binds, "/proc"]:
+            os.makedirs(new + path, mode=0o755, exist_ok=True)
+            self._mount(f"/proc/self/fd/{fds[path]}", new + path, None, _MS_BIND | _MS_REC)
+        os.makedirs(f"{new}/dev", mode=0o755)
+        for d in devices:
+            open(f"{new}/dev/{d}", "w").close()
+            self._mount(f"/proc/self/fd/{fds[f'/dev/{d}']}", f"{new}/dev/{d}", None, _MS_BIND)
+        for fd in fds.values():
+            os.close(fd)
+        for link, target in links.items():
+            os.symlink(target, new + link)
+        os.makedirs(f"{new}/var", mode=0o755, exist_ok=True)
+        os.mkdir(f"{new}/tmp", 0o755)
+        os.symlink("../tmp", f"{new}/var/tmp")
+        os.symlink("../tmp", f"{new}/dev/shm")
+        for name, target in (
+            ("fd", "/proc/self/fd"),
+            ("stdin", "/proc/self/fd/0"),
+            ("stdout", "/proc/self/fd/1"),
+            ("stderr", "/proc/self/fd/2"),
+        ):
+            os.symlink(target, f"{new}/dev/{name}")
+        self._readonly_tree(new)
+        os.chdir(new)
+        self._check(self.libc.pivot_root(b".", b"."), "pivot_root")
+        self._check(self.libc.umount2(b".", _MNT_DETACH), "umount2(old root)")
+        os.chdir("/")
+
+    def _readonly_tree(self, top: str) -> None:
+        """Make ``top`` and every mount below it read-only (``mount_setattr`` with ``AT_RECURSIVE``, or one
+        bind remount per mount on kernels before 5.12), and check that each one is."""
+        attr = ctypes.create_string_buffer(struct.pack("=QQQQ", _MOUNT_ATTR_RDONLY, 0, 0, 0), 32)
+        c_long = ctypes.c_long
+        rc = self.libc.syscall(
+            c_long(_SYS_MOUNT_SETATTR),
+            c_long(-100),
+            ctypes.c_char_p(top.encode()),
+            c_long(_AT_RECURSIVE),
+            attr,
+            c_long(32),
+        )
         with open("/proc/self/mountinfo") as f:
             points = [line.split()[4].replace("\\040", " ") for line in f]
-        for point in points:
-            if point.startswith(("/proc", "/sys", "/dev")):
-                continue
-            try:
-                # Flags locked by the kernel (nosuid, nodev, noexec, ...) must be repeated on a remount.
-                kept = os.statvfs(point).f_flag & (_MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_NOATIME)
+        points = [p for p in points if p == top or p.startswith(top + "/")]
+        if rc != 0:
+            for point in points:
+                # Flags the kernel locked (nosuid, nodev, noexec, atime) must be repeated on a remount.
+                st = os.statvfs(point).f_flag
+                kept = st & (_MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_NOATIME | _MS_NODIRATIME)
+                kept |= _MS_RELATIME if st & _ST_RELATIME else 0
                 self._mount(None, point, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | kept)
-            except OSError:
-                continue
-        return bool(os.statvfs("/").f_flag & os.ST_RDONLY)
-
-    def _fresh_scratch(self) -> str:
-        """In the child (root, before dropping privileges): a mount namespace of its own with empty tmpfs
-        mounts on ``/tmp``, ``/var/tmp`` and ``/dev/shm``, so the world-writable places start empty and
-        vanish with the call; ``/tmp`` itself is the work directory."""
-        if self.libc.unshare(_CLONE_NEWNS) != 0:
-            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) failed")
-        size = f"size={self.config.max_file_mb * 4}m"
-        for scratch in ("/tmp", "/var/tmp", "/dev/shm"):
-            if os.path.isdir(scratch):
-                self._mount("tmpfs", scratch, "tmpfs", _MS_NOSUID | _MS_NODEV, f"mode=1777,{size}")
-        return "/tmp"
+        for point in points:
+            if not os.path.isfile(point) and not os.statvfs(point).f_flag & os.ST_RDONLY:
+                raise _SetupError(f"making {point} read-only", errno.EPERM, f"{point} stayed writable")
 
     def _probe_uid_drop(self) -> bool:
         """Can a child running as the sandbox uid still import from the standard library?"""
@@ -320,37 +466,60 @@ class _Zygote:
         _, status = os.waitpid(pid, 0)
         return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
 
-    def _probe_pid_namespace(self) -> bool:
-        if self.libc.unshare(_CLONE_NEWPID) != 0:
-            return False
-        return self.libc.setns(self.own_pid_ns, _CLONE_NEWPID) == 0
+    def _dry_run(self) -> None:
+        """Run one call through the whole per-call setup, so a kernel that refuses part of it fails the start
+        of the zygote (with the reason) rather than every call; learn whether calls get their own /proc."""
+        reply = self.run("import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))", 30.0)
+        if reply["status"] != "ok":
+            raise _SetupError("the first sandboxed call", errno.EPERM, reply["output"].strip())
+        self.own_proc = reply["output"].strip() == "[1]"
 
     # ---- child -----------------------------------------------------------------------------------
-    def _child(self, code: str, out_fd: int, workdir: str | None, status_fd: int) -> None:
+    def _enter_call_namespace(self) -> str:
+        """In the child, still privileged: a mount namespace of its own with an empty tmpfs on ``/tmp`` (the
+        work directory; ``/var/tmp`` and ``/dev/shm`` lead there) that vanishes with the call, and a
+        ``/proc`` of its PID namespace, which lists only the call's own processes."""
+        self._check(self.libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+        self._mount(
+            "tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, f"mode=1777,size={self.config.max_file_mb * 4}m"
+        )
+        if self.pid_ns:
+            try:
+                self._mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+            except _SetupError:  # the kernel refuses a new /proc here: show an empty one, never the host's
+                self._mount(
+                    "tmpfs", "/proc", "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_RDONLY, "size=4k"
+                )
+        return "/tmp"
+
+    def _drop_privileges(self) -> None:
+        """Root switches to the sandbox uid (which clears every capability); in a user namespace the child
+        keeps its uid and clears the capabilities it holds over the zygote's namespaces."""
+        if self.drop_uid:
+            uid = self.config.sandbox_uid
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+        elif self.user_ns:
+            header = struct.pack("=Ii", _LINUX_CAPABILITY_VERSION_3, 0)
+            self._check(self.libc.capset(header, bytes(24)), "capset (drop capabilities)")
+        self.libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+
+    def _child(self, code: str, out_fd: int, workdir: str | None) -> None:
         """Runs in the forked child; never returns."""
         rc = 1
         try:
             os.setsid()
-            net_ok = False
-            if self.config.isolate_network:
-                flags = _CLONE_NEWNET if self.is_root else _CLONE_NEWUSER | _CLONE_NEWNET
-                net_ok = self.libc.unshare(flags) == 0
-            os.write(status_fd, b"1" if net_ok else b"0")
             null = os.open(os.devnull, os.O_RDONLY)
             os.dup2(null, 0)
             os.dup2(out_fd, 1)
             os.dup2(out_fd, 2)
             os.closerange(3, 1 << 16)
             if workdir is None:
-                workdir = self._fresh_scratch()
+                workdir = self._enter_call_namespace()
             os.chdir(workdir)
             self._set_limits()
-            if self.drop_uid:
-                uid = self.config.sandbox_uid
-                os.setgroups([])
-                os.setgid(uid)
-                os.setuid(uid)
-            self.libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+            self._drop_privileges()
             os.environ.clear()
             os.environ.update(
                 {
@@ -385,24 +554,22 @@ class _Zygote:
     # ---- one call --------------------------------------------------------------------------------
     def run(self, code: str, timeout: float) -> dict[str, Any]:
         start = time.monotonic()
-        workdir = None  # with private mounts the child makes its own (a fresh /tmp)
+        workdir = None  # in namespaces mode the child mounts its own (a fresh /tmp)
         if self.base_dir is not None:
             workdir = tempfile.mkdtemp(dir=self.base_dir)
             if self.drop_uid:
                 os.chown(workdir, self.config.sandbox_uid, self.config.sandbox_uid)
         out_r, out_w = os.pipe()
-        st_r, st_w = os.pipe()
+        # The child becomes PID 1 of a new PID namespace: when it ends, the kernel kills all it started.
         in_pid_ns = self.pid_ns and self.libc.unshare(_CLONE_NEWPID) == 0
         pid = os.fork()
         if pid == 0:
             os.close(out_r)
-            os.close(st_r)
-            self._child(code, out_w, workdir, st_w)
+            self._child(code, out_w, workdir)
         if in_pid_ns:
             # Later forks (the next call) must not land in this call's namespace.
             self.libc.setns(self.own_pid_ns, _CLONE_NEWPID)
         os.close(out_w)
-        os.close(st_w)
         head, tail, total, timed_out = self._collect(out_r, pid, start + timeout)
         if timed_out:
             self._kill(pid)
@@ -411,10 +578,6 @@ class _Zygote:
         if not in_pid_ns:
             self._kill_strays(pid)
         os.close(out_r)
-        net = os.read(st_r, 1)
-        os.close(st_r)
-        if net:
-            self.net_ns = net == b"1"
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
         return self._result(
@@ -541,17 +704,6 @@ class _Zygote:
         return {"status": status, "output": text, "seconds": seconds, "returncode": returncode}
 
     def serve(self) -> None:
-        _send(
-            self.resp_fd,
-            {
-                "ready": True,
-                "pid": os.getpid(),
-                "pid_namespace": self.pid_ns,
-                "private_filesystem": self.private_fs,
-                "readonly_filesystem": self.private_fs and self.readonly,
-                "sandbox_uid": self.config.sandbox_uid if self.drop_uid else os.geteuid(),
-            },
-        )
         while True:
             try:
                 request = _recv(self.req_fd)
@@ -559,9 +711,20 @@ class _Zygote:
                 return
             if request.get("shutdown"):
                 return
-            reply = self.run(request["code"], float(request["timeout"]))
-            reply["network_namespace"] = self.net_ns
-            _send(self.resp_fd, reply)
+            _send(self.resp_fd, self.run(request["code"], float(request["timeout"])))
+
+    def describe(self) -> dict[str, Any]:
+        """What this zygote's calls get (:attr:`SandboxPool.isolation`)."""
+        return {
+            "mode": self.config.isolation,
+            "user_namespace": self.user_ns,
+            "pid_namespace": self.pid_ns,
+            "network_namespace": self.net_ns,
+            "private_filesystem": self.private_fs,
+            "readonly_filesystem": self.private_fs and self.readonly,
+            "own_proc": self.own_proc,
+            "sandbox_uid": self.config.sandbox_uid if self.drop_uid else os.geteuid(),
+        }
 
 
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
@@ -636,10 +799,12 @@ _WARMUP = {
 
 
 def _zygote_main() -> None:
-    """Entry point of a spawned zygote; ``argv[1]`` is the config as JSON.
+    """Entry point of a spawned zygote; ``argv[1]`` is the config as JSON, ``argv[2]`` its scratch folder.
 
-    The zygote exits when its request pipe closes, i.e. when the pool closes or its process dies.
-    (Not PR_SET_PDEATHSIG: that fires when the *thread* that spawned the zygote exits.)
+    The zygote isolates itself first (so that even its preloading sees only the sandbox's view), then
+    preloads, says it is ready -- or why isolation failed -- and serves calls until its request pipe
+    closes, i.e. when the pool closes or its process dies. (Not PR_SET_PDEATHSIG: that fires when the
+    *thread* that spawned the zygote exits.)
     """
     config_dict = json.loads(sys.argv[1])
     scratch = sys.argv[2]
@@ -650,6 +815,12 @@ def _zygote_main() -> None:
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
     os.dup2(null, 1)
+    os.umask(0o022)  # the folders of the sandbox's root must be traversable by the sandbox uid
+    try:
+        zygote = _Zygote(config, req_fd, resp_fd, scratch)
+    except _SetupError as e:
+        _send(resp_fd, {"error": str(e), "cause": e.cause})
+        return
     for name in config.preload:
         __import__(name)
     if config.warmup:
@@ -665,7 +836,8 @@ def _zygote_main() -> None:
     # (and copy-on-write fault in) the zygote's heap -- Instagram's fork-server trick.
     gc.collect()
     gc.freeze()
-    _Zygote(config, req_fd, resp_fd, scratch).serve()
+    _send(resp_fd, {"ready": True, "pid": zygote.host_pid, **zygote.describe()})
+    zygote.serve()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -731,6 +903,9 @@ class _ZygoteHandle:
             ) from e
         finally:
             log.close()  # the zygote keeps its own descriptor
+        if "error" in self.info:
+            self.stop()
+            raise SandboxUnavailableError(_unavailable_message(self.info["error"], self.info["cause"]))
 
     @property
     def alive(self) -> bool:
@@ -751,8 +926,6 @@ class _ZygoteHandle:
             return ToolResult(
                 "killed", f"Killed: the sandbox process died during the call ({e})", time.monotonic() - start
             )
-        if reply.get("network_namespace") is not None:
-            self.info["network_namespace"] = reply["network_namespace"]
         return ToolResult(reply["status"], reply["output"], reply["seconds"], reply["returncode"])
 
     def stop(self) -> None:
@@ -780,6 +953,69 @@ class _ZygoteHandle:
             self.scratch = None
 
 
+class SandboxUnavailableError(RuntimeError):
+    """The kernel does not allow the isolation a :class:`SandboxConfig` asks for; the message names the
+    cause and the choices (enable user namespaces, run in a container, or ``isolation="rlimits"``)."""
+
+
+def _unavailable_message(error: str, cause: str) -> str:
+    who = "root" if os.geteuid() == 0 else f"an ordinary user (uid {os.getuid()})"
+    return (
+        f"The Python tool sandbox cannot isolate model code here, running as {who}: {cause} ({error}). "
+        "Without namespaces, model-written code could read and change this user's files and signal its "
+        "processes, so the sandbox refuses to start. Choose one:\n"
+        "  * enable unprivileged user namespaces: `sysctl -w user.max_user_namespaces=15000`; on Debian and "
+        "older Ubuntu kernels also `sysctl -w kernel.unprivileged_userns_clone=1`; on Ubuntu 24.04+ "
+        "`sysctl -w kernel.apparmor_restrict_unprivileged_userns=0` (or an AppArmor profile for python);\n"
+        "  * run in a container that permits namespaces (e.g. as root with CAP_SYS_ADMIN, or with a seccomp "
+        "profile that allows unshare);\n"
+        '  * or accept rlimits-only isolation by name: SandboxConfig(isolation="rlimits") (for Math-TIR: '
+        'MathTIRConfig(sandbox=SandboxConfig(isolation="rlimits"))); see docs/platform.md §7.'
+    )
+
+
+_logger = logging.getLogger(__name__)
+_probed: dict[tuple[Any, ...], str | None] = {}
+_probe_lock = threading.Lock()
+_rlimits_logged = False
+
+
+def check_isolation(config: SandboxConfig) -> None:
+    """Raise :class:`SandboxUnavailableError` when ``config.isolation`` cannot be had on this machine.
+
+    ``"namespaces"`` is checked by starting a zygote without preloads once per process (and uid and
+    namespace settings): the same setup and first call a real zygote does, so a refusal surfaces where the
+    env or pool is created, not at the first tool call. Choosing ``"rlimits"`` is logged once per process.
+    """
+    global _rlimits_logged
+    if config.isolation == "rlimits":
+        with _probe_lock:
+            if _rlimits_logged:
+                return
+            _rlimits_logged = True
+        _logger.warning(
+            'Python tool sandbox: isolation="rlimits" chosen -- model code runs without namespaces, as uid %d, '
+            "and can read and write what that user can (only rlimits, timeouts, a scrubbed environment and a "
+            "private work directory hold)",
+            config.sandbox_uid if os.geteuid() == 0 else os.geteuid(),
+        )
+        return
+    key = (os.geteuid(), config.isolate_pids, config.isolate_network, config.sandbox_uid)
+    with _probe_lock:
+        if key not in _probed:
+            probe = _ZygoteHandle(replace(config, preload=(), warmup=False, pool_size=1))
+            try:
+                probe.start()
+                _probed[key] = None
+            except SandboxUnavailableError as e:
+                _probed[key] = str(e)
+            finally:
+                probe.stop()
+        failure = _probed[key]
+    if failure is not None:
+        raise SandboxUnavailableError(failure)
+
+
 _LIVE_POOLS: weakref.WeakSet[SandboxPool] = weakref.WeakSet()
 
 
@@ -793,6 +1029,7 @@ class SandboxPool:
 
     def __init__(self, config: SandboxConfig | None = None) -> None:
         self.config = config or SandboxConfig()
+        check_isolation(self.config)
         self._idle: queue.LifoQueue[_ZygoteHandle] = queue.LifoQueue()
         for _ in range(self.config.pool_size):
             self._idle.put(_ZygoteHandle(self.config))
@@ -833,19 +1070,31 @@ class SandboxPool:
 
     @property
     def isolation(self) -> dict[str, Any]:
-        """What the kernel granted, as seen by a started zygote (starts one if none is running):
-        ``pid_namespace``, ``network_namespace`` (``None`` until the first call), ``private_filesystem``
-        (fresh ``/tmp`` etc. per call), ``readonly_filesystem`` (everything else read-only) and
-        ``sandbox_uid`` (the uid the code runs as)."""
+        """What each call gets, as reported by a started zygote (starts one if none is running):
+
+        * ``mode``: the :attr:`SandboxConfig.isolation` in force (``"namespaces"`` or ``"rlimits"``);
+        * ``user_namespace``: the sandbox runs in a user namespace of its own (an ordinary user's pool);
+        * ``pid_namespace``: each call is PID 1 of its own PID namespace (nothing it starts outlives it);
+        * ``network_namespace``: no network, only a down loopback;
+        * ``private_filesystem``: the code sees only the system directories and the interpreter, and a
+          fresh, empty tmpfs as ``/tmp`` (also ``/var/tmp``, ``/dev/shm``) per call -- no home directories,
+          no ``/mnt``, ``/srv``, ``/var``, no project checkout;
+        * ``readonly_filesystem``: everything but that tmpfs is read-only;
+        * ``own_proc``: ``/proc`` lists only the call's own processes;
+        * ``sandbox_uid``: the uid the code runs as (65534 as root; the caller's own uid otherwise).
+        """
         handle = self._idle.get()
         try:
             if not handle.alive:
                 handle.start()
             keys = (
+                "mode",
+                "user_namespace",
                 "pid_namespace",
                 "network_namespace",
                 "private_filesystem",
                 "readonly_filesystem",
+                "own_proc",
                 "sandbox_uid",
             )
             return {k: handle.info.get(k) for k in keys}
@@ -854,7 +1103,7 @@ class SandboxPool:
 
     def zygote_pids(self) -> list[int]:
         """Process ids of the running zygotes (for monitoring and tests)."""
-        return [h.proc.pid for h in self._handles if h.proc is not None and h.alive]
+        return [h.info.get("pid", h.proc.pid) for h in self._handles if h.proc is not None and h.alive]
 
     def close(self) -> None:
         """Stop every zygote (waiting for calls in flight). Idempotent."""
@@ -913,11 +1162,15 @@ def release_shared_pool(pool: SandboxPool) -> None:
 
 
 __all__ = [
+    "ISOLATION_MODES",
+    "Isolation",
     "SandboxConfig",
     "SandboxPool",
+    "SandboxUnavailableError",
     "ToolResult",
     "ToolStatus",
     "acquire_shared_pool",
+    "check_isolation",
     "error_summary",
     "release_shared_pool",
     "truncate_middle",

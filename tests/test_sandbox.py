@@ -1,9 +1,17 @@
-"""The Python tool sandbox: real zygote processes, real hostile code, real process-table checks."""
+"""The Python tool sandbox: real zygote processes, real hostile code, real process-table checks.
+
+The whole file runs twice in CI: as root, and (``test_the_suite_passes_as_an_ordinary_user``) as a free,
+unprivileged uid whose home holds a private file -- the way most people train.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -12,8 +20,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+from streamrl.envs import sandbox as sandbox_module
 from streamrl.envs.sandbox import SandboxConfig, SandboxPool, ToolResult, error_summary, truncate_middle
 
+ROOT = Path(__file__).resolve().parents[1]
+AS_USER = ROOT / "tests" / "sandbox_user.py"  # runs a command as an unprivileged uid (we are root in CI)
 CONFIG = SandboxConfig(timeout_s=3.0, cpu_time_s=1, pool_size=2, max_output_chars=2048)
 
 
@@ -143,7 +154,10 @@ def test_environment_secrets_do_not_reach_the_code(monkeypatch: pytest.MonkeyPat
         assert result.output == "['HOME', 'LANG', 'PATH', 'TMPDIR']\nNone\n"
         snoop = fresh.run(f"print(open('/proc/{os.getpid()}/environ').read())")
         assert "hunter2-token" not in snoop.output
-        if fresh.isolation["sandbox_uid"] != os.geteuid():
+        # With a /proc of its own the code does not even see this process; else the uid switch keeps it out.
+        if fresh.isolation["own_proc"]:
+            assert snoop.status == "error" and "FileNotFoundError" in snoop.output
+        elif fresh.isolation["sandbox_uid"] != os.geteuid():
             assert snoop.status == "error" and "PermissionError" in snoop.output
 
 
@@ -264,3 +278,172 @@ def test_a_zygote_that_cannot_start_says_why() -> None:
     with SandboxPool(SandboxConfig(preload=("math", "no_such_module_xyz"))) as p:
         with pytest.raises(RuntimeError, match="No module named 'no_such_module_xyz'"):
             p.run("print(1)")
+
+
+# ---- what an ordinary user's sandbox must hold as well as root's ------------------------------------
+
+
+def test_full_isolation_is_reported(pool: SandboxPool) -> None:
+    as_root = os.geteuid() == 0
+    assert pool.isolation == {
+        "mode": "namespaces",
+        "user_namespace": not as_root,
+        "pid_namespace": True,
+        "network_namespace": True,
+        "private_filesystem": True,
+        "readonly_filesystem": True,
+        "own_proc": True,
+        "sandbox_uid": CONFIG.sandbox_uid if as_root else os.geteuid(),
+    }
+
+
+@pytest.fixture
+def home_secret() -> Path:
+    """A private file in the home of the user running the tests (root's /root in CI, or the ordinary
+    user's home); removed afterwards."""
+    path = Path.home() / f"streamrl-sandbox-private-{os.getpid()}.txt"
+    path.write_text("ssh-key-material-4242\n")
+    path.chmod(0o600)
+    yield path
+    path.unlink()
+
+
+def test_the_users_home_is_neither_readable_nor_writable(pool: SandboxPool, home_secret: Path) -> None:
+    read = pool.run(f"print(open({str(home_secret)!r}).read())")
+    assert read.status == "error" and "FileNotFoundError" in read.output, read
+    assert "ssh-key-material" not in read.output
+    pwned = Path.home() / f"streamrl-sandbox-pwned-{os.getpid()}.txt"
+    write = pool.run(f"open({str(pwned)!r}, 'w').write('pwned')")
+    assert write.status == "error", write
+    assert "FileNotFoundError" in write.output or "Read-only file system" in write.output, write
+    assert not pwned.exists()
+    # Nor any other place a user keeps data: what is left there only leads to the interpreter's trees.
+    seen = pool.run(
+        "import json, os\nprint(json.dumps({p: sorted(os.listdir(p)) for p in ('/home', '/root', '/mnt', "
+        f"'/media', '/srv', '/opt', '/run', '/var', '/sys', '/work', {str(Path.home())!r}) "
+        "if os.path.isdir(p)}))"
+    )
+    assert seen.ok, seen
+    trees = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)}
+    for folder, entries in json.loads(seen.output).items():
+        for entry in entries:
+            path = os.path.join(folder, entry)
+            assert any(t == path or t.startswith(path + os.sep) for t in trees) or path == "/var/tmp", path
+
+
+def test_proc_lists_only_the_calls_own_processes(pool: SandboxPool) -> None:
+    code = "import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))"
+    assert pool.run(code).output == "[1]\n"
+    forked = "import os, time\nif os.fork() == 0:\n    time.sleep(30)\n" + code
+    assert pool.run(forked).output == "[1, 2]\n"
+
+
+def test_another_processes_command_line_is_not_readable(pool: SandboxPool) -> None:
+    result = pool.run(f"print(open('/proc/{os.getpid()}/cmdline').read())")
+    assert result.status == "error" and "FileNotFoundError" in result.output, result
+    assert "pytest" not in result.output
+
+
+def test_a_service_on_loopback_is_unreachable(pool: SandboxPool) -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        server.setblocking(False)
+        port = server.getsockname()[1]
+        result = pool.run(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)")
+        assert result.status == "error" and "Network is unreachable" in result.output, result
+        with pytest.raises(BlockingIOError):
+            server.accept()  # nobody connected
+
+
+def test_rlimits_mode_is_chosen_by_name_and_logged_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(sandbox_module, "_rlimits_logged", False)
+    config = SandboxConfig(isolation="rlimits", pool_size=1, timeout_s=3.0)
+    with caplog.at_level(logging.WARNING, logger="streamrl.envs.sandbox"):
+        with SandboxPool(config) as first, SandboxPool(config) as second:
+            assert first.run("print(6 * 7)").output == "42\n"
+            assert second.isolation["mode"] == "rlimits"
+            assert not any(second.isolation[k] for k in ("user_namespace", "pid_namespace", "own_proc"))
+            # What holds in this mode: the wall clock, rlimits, a private work directory.
+            assert first.run("while True: pass").status == "timeout"
+            assert first.run("open('x', 'w').write('1')\nprint(open('x').read())").output == "1\n"
+    warnings = [r for r in caplog.records if 'isolation="rlimits"' in r.getMessage()]
+    assert len(warnings) == 1
+    with pytest.raises(ValueError, match="isolation"):
+        SandboxConfig(isolation="none")  # type: ignore[arg-type]
+
+
+def _as_user(
+    args: list[str], *, no_user_namespaces: bool = False, timeout: float = 900
+) -> subprocess.CompletedProcess[str]:
+    flags = ["--no-user-namespaces"] if no_user_namespaces else []
+    return subprocess.run(
+        [sys.executable, str(AS_USER), *flags, "--", sys.executable, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="switching to another uid needs root; as an ordinary user this file ran as one"
+)
+
+
+@needs_root
+def test_the_suite_passes_as_an_ordinary_user() -> None:
+    """Every test of this file, hostile suite included, as a free unprivileged uid with a home of its own."""
+    done = _as_user(["-m", "pytest", str(Path(__file__)), "-q", "-p", "no:cacheprovider", "-p", "no:xdist"])
+    tail = done.stdout[-4000:] + done.stderr[-2000:]
+    assert done.returncode == 0, tail
+    summary = done.stdout.strip().splitlines()[-1]
+    # Only the two tests that need root to switch users skip; everything else ran and passed.
+    assert re.fullmatch(r"\d+ passed, 2 skipped in .*", summary), tail
+
+
+REFUSAL_SCRIPT = """
+import json, logging
+import gymnasium as gym
+import streamrl.envs  # registers the envs
+from streamrl.envs.sandbox import SandboxConfig, SandboxPool, SandboxUnavailableError
+
+out = {}
+try:
+    gym.make("streamrl/MathTIR-v0")
+    out["refused"] = None
+except SandboxUnavailableError as e:
+    out["refused"] = str(e)
+records = []
+handler = logging.Handler()
+handler.emit = records.append
+logging.getLogger("streamrl.envs.sandbox").addHandler(handler)
+rlimits = SandboxConfig(isolation="rlimits")
+env = gym.make("streamrl/MathTIR-v0", sandbox=rlimits)
+env.reset(seed=0)
+obs, reward, terminated, truncated, info = env.step("```python\\nprint(6 * 7)\\n```")
+out["tool_output"] = obs
+with SandboxPool(rlimits) as pool:
+    out["isolation"] = pool.isolation
+env.close()
+out["logged"] = [r.getMessage() for r in records]
+print(json.dumps(out))
+"""
+
+
+@needs_root
+def test_without_user_namespaces_creating_the_env_refuses_unless_rlimits_is_named() -> None:
+    """An ordinary user on a kernel whose user namespaces are off (here: a user namespace whose
+    ``user.max_user_namespaces`` is 0, so ``unshare(CLONE_NEWUSER)`` genuinely fails)."""
+    done = _as_user(["-c", REFUSAL_SCRIPT], no_user_namespaces=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    refused = out["refused"]
+    assert refused is not None, "the env was created without isolation"
+    for needle in ("user namespaces", "max_user_namespaces", "container", 'isolation="rlimits"'):
+        assert needle in refused, refused
+    assert "42" in out["tool_output"]
+    assert out["isolation"]["mode"] == "rlimits" and out["isolation"]["user_namespace"] is False
+    assert len(out["logged"]) == 1 and 'isolation="rlimits"' in out["logged"][0]
