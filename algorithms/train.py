@@ -50,6 +50,7 @@ from streamrl.algorithms.learner import Learner, LearnerConfig
 from streamrl.algorithms.runtime import Finished, Job, Rollouts, collect
 from streamrl.algorithms.tracker import EventTracker, Ticket
 from streamrl.envs.cache import atomic_write_text
+from streamrl.evaluation.stats import clustered_t_interval, t_interval
 
 if TYPE_CHECKING:
     from streamrl.algorithms.sft import SFTConfig
@@ -1193,20 +1194,18 @@ class Trainer:
             "eval/stderr": math.sqrt(p * (1 - p) / len(wins)),
             "eval/reward": sum(r["reward"] for r in records) / len(records),
             "eval/episodes": float(len(records)),
+            "eval/tasks": float(len({r["task_id"] for r in records})),
             "eval/version": float(self.tracker.version),
             "eval/seconds": time.perf_counter() - started,
         }
         start = evals / "update-00000.jsonl"
         if self.updates and start.is_file():
             # paired with the start's evaluation: the same tasks and episode seeds, so the per-episode
-            # differences cancel most of the sampling noise (normal interval on their mean)
-            before = [float(json.loads(line)["won"]) for line in start.read_text().splitlines()]
-            if len(before) == len(wins):
-                diffs = [a - b for a, b in zip(wins, before, strict=True)]
-                mean = sum(diffs) / len(diffs)
-                var = sum((d - mean) ** 2 for d in diffs) / max(1, len(diffs) - 1)
-                row["eval/delta"] = mean
-                row["eval/delta_ci95"] = 1.96 * math.sqrt(var / len(diffs))
+            # differences cancel most of the sampling noise
+            before = {r["key"]: r for r in map(json.loads, start.read_text().splitlines())}
+            if before.keys() == {r["key"] for r in records}:
+                diffs = [float(r["won"]) - float(before[r["key"]]["won"]) for r in records]
+                row.update(_paired_delta(diffs, [r["task_id"] for r in records]))
         return row
 
     # -- checkpoints -------------------------------------------------------------------------------------------
@@ -1386,3 +1385,18 @@ def train(
     ``Trainer``)."""
     trainer = Trainer(config, algorithm=algorithm, backend=backend, resume=resume, progress=progress)
     return trainer.run()
+
+
+def _paired_delta(diffs: Sequence[float], tasks: Sequence[str]) -> dict[str, float]:
+    """``eval/delta``, the mean paired difference to the start's evaluation (``tasks[i]`` the task of
+    ``diffs[i]``), and the half-widths of its 95 % intervals: ``eval/delta_ci95`` clustered by task (the unit: a
+    task's repeated episodes are not independent; ``nan`` with a single task) and ``eval/delta_ci95_episode``, the
+    paired t interval over episodes as if independent (``nan`` with a single episode)."""
+    mean = sum(diffs) / len(diffs)
+    clustered = clustered_t_interval(diffs, tasks) if len(set(tasks)) > 1 else None
+    episode = t_interval(diffs) if len(diffs) > 1 else None
+    return {
+        "eval/delta": mean,
+        "eval/delta_ci95": math.nan if clustered is None else clustered.half_width,
+        "eval/delta_ci95_episode": math.nan if episode is None else episode.half_width,
+    }

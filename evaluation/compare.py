@@ -12,7 +12,8 @@
 - ``diagnostics.png``: the learner's approximate KL between the rollout and the updated policy
   (``learner/approx_kl``, the k3 estimator), the PPO clip fraction, the gradient norm and the mean staleness of
   the trained tokens (from the ``staleness`` histogram), per update;
-- ``report.md``: the runs, the tables, both figures, and how to read them.
+- ``report.md``: the runs (each with its own held-out gain, its last evaluation against its first on the same
+  episodes with the 95 % interval clustered by task), the tables, both figures, and how to read them.
 
 The plotting functions (``plot_learning_curves``, ``plot_diagnostics``) are usable on their own.
 """
@@ -39,6 +40,7 @@ from streamrl.evaluation.curves import (
     summarize_curves,
     summary_table,
 )
+from streamrl.evaluation.demo import held_out_evaluations, paired_gain
 from streamrl.evaluation.stats import sample_sd
 
 
@@ -311,7 +313,21 @@ def _run_facts(run: Path) -> dict[str, Any]:
         "updates": max((int(r.get("update", 0)) for r in rows), default=0),
         "first_eval": held_out[0] if held_out else None,
         "last_eval": held_out[-1] if held_out else None,
+        "held_out_gain": _held_out_gain(run),
     }
+
+
+def _held_out_gain(run: Path) -> dict[str, Any] | None:
+    """The run's last held-out evaluation against its first, paired on the same episodes, with the 95 % interval
+    clustered by task (``demo.paired_gain``); ``None`` without two evaluations on the same episodes of two tasks
+    or more."""
+    evals = held_out_evaluations(run) if (run / "evals").is_dir() and any((run / "evals").iterdir()) else {}
+    if len(evals) < 2 or len({r["task_id"] for r in evals[min(evals)]}) < 2:
+        return None
+    try:
+        return paired_gain(evals[min(evals)], evals[max(evals)]).to_dict()
+    except ValueError:  # the evaluations played different episodes (a run resumed with other settings)
+        return None
 
 
 def _report_markdown(
@@ -326,13 +342,15 @@ def _report_markdown(
 
     lines = [f"# {' vs '.join(labels)}", "", "## Runs", ""]
     lines += [
-        "| side | run | algo | env | seed | updates | held-out success first → last |",
-        "|---|---|---|---|---|---|---|",
+        "| side | run | algo | env | seed | updates | held-out success first → last | last − first (95 %, by task) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
+        g = r["held_out_gain"]
+        gain = "–" if g is None else f"{g['mean']:+.3f} [{g['ci_low']:+.3f}, {g['ci_high']:+.3f}]"
         lines.append(
             f"| {r['label']} | `{r['run']}` | {cell(r['algo'])} | {cell(r['env'])} | {cell(r['seed'])} | {r['updates']} | "
-            f"{cell(r['first_eval'])} → {cell(r['last_eval'])} |"
+            f"{cell(r['first_eval'])} → {cell(r['last_eval'])} | {gain} |"
         )
     lines += ["", "## Learning-curve metrics", "", tables, ""]
     if skipped:
@@ -363,9 +381,12 @@ def _report_markdown(
             "large as its mean is not distinguishable from zero with this many seeds."
         )
     lines += [
+        "- **last − first** is each run's own held-out gain: its last evaluation against its first on the same "
+        "episodes, with the 95 % interval clustered by task (the unit: a task's repeated episodes are not "
+        "independent). The table's spreads are over runs, the independent unit across seeds.",
         "- Thin lines are single runs, thick lines their mean with a shaded ±1 standard error across runs, dashed "
-        "lines a trailing mean. One evaluation's standard error is √(p(1−p)/n) (about .035 at p = .3 and 200 "
-        "episodes): differences smaller than that are noise.",
+        "lines a trailing mean. One evaluation's standard error is at least √(p(1−p)/n) (about .035 at p = .3 and "
+        "200 episodes of distinct tasks; more when tasks repeat): differences smaller than that are noise.",
         "- Diagnostics: a KL or clip fraction that grows steadily means updates move the policy further than the "
         "trust region intends; a gradient norm spike precedes instability; staleness is how many versions old the "
         "trained tokens were (bounded by max_staleness).",

@@ -8,7 +8,8 @@ On ``tiny`` and Math-TIR it:
 3. trains with SPO++ on the single-stream runtime, evaluating a fixed set of held-out test episodes (the same
    tasks and episode seeds every time) before the first update and every ``eval_every`` updates;
 4. compares the trained adapter with the starting checkpoint on those same episodes, paired: the mean of the
-   per-episode differences with its 95 % Student-t interval;
+   per-episode differences with its 95 % interval clustered by task (each test task is played several times, and
+   its episodes are not independent), the episode-level Student-t interval beside it;
 5. writes ``report.md`` (the tables, the curves, what to look at), ``demo.json`` and ``demo.png``.
 
 Why these settings. Learning on 2 CPU cores is narrow: a few points of held-out success in minutes, the same
@@ -32,7 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from streamrl.evaluation.stats import MeanInterval, t_interval, wilson_interval
+from streamrl.evaluation.stats import (
+    ClusteredMeanInterval,
+    MeanInterval,
+    clustered_t_interval,
+    clustered_wilson_interval,
+    t_interval,
+    wilson_interval,
+)
 
 DEMO_COLD_START: Mapping[str, Any] = {"epochs": 3, "select_best_of": 0, "restarts": 0, "restart_below": 0.0}
 """The demo's SFT recipe, as overrides of Math-TIR's preset: 3 epochs, no model selection (its seed-0 checkpoint
@@ -84,6 +92,11 @@ class DemoConfig:
         for name in ("updates", "batch", "num_envs", "eval_every", "eval_episodes", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_episodes < 2:  # n distinct tasks for n up to the test split's size
+            raise ValueError(
+                f"eval_episodes must be >= 2 (a paired interval clustered by task needs two tasks), "
+                f"got {self.eval_episodes}"
+            )
 
     def train_config(self) -> Any:
         from streamrl.algorithms.learner import LearnerConfig
@@ -139,8 +152,9 @@ def run_demo(config: DemoConfig, log: Callable[[str], None] = print) -> dict[str
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _evals(run: Path) -> dict[int, list[dict[str, Any]]]:
+def held_out_evaluations(run: str | Path) -> dict[int, list[dict[str, Any]]]:
     """The held-out evaluations' per-episode records by update (``evals/update-N.jsonl``)."""
+    run = Path(run)
     files = sorted((run / "evals").glob("update-*.jsonl"))
     if not files:
         raise FileNotFoundError(f"{run} has no held-out evaluations (evals/update-*.jsonl)")
@@ -150,34 +164,59 @@ def _evals(run: Path) -> dict[int, list[dict[str, Any]]]:
     }
 
 
-def paired_gain(start: Sequence[Mapping[str, Any]], end: Sequence[Mapping[str, Any]]) -> MeanInterval:
-    """Mean per-episode success difference end − start on the same episodes, with its 95 % t interval."""
+def _paired(
+    start: Sequence[Mapping[str, Any]], end: Sequence[Mapping[str, Any]]
+) -> tuple[list[float], list[str]]:
+    """The per-episode success differences end − start on the same episodes (by key), and their tasks."""
     a = {r["key"]: (r["task_id"], float(r["won"])) for r in start}
     b = {r["key"]: (r["task_id"], float(r["won"])) for r in end}
     if a.keys() != b.keys() or any(a[k][0] != b[k][0] for k in a):
         raise ValueError("the two evaluations did not play the same episodes (keys and tasks differ)")
-    return t_interval([b[k][1] - a[k][1] for k in sorted(a)])
+    keys = sorted(a)
+    return [b[k][1] - a[k][1] for k in keys], [a[k][0] for k in keys]
 
 
-def _half(interval: MeanInterval) -> float:
-    return (interval.high - interval.low) / 2
+def paired_gain(
+    start: Sequence[Mapping[str, Any]], end: Sequence[Mapping[str, Any]]
+) -> ClusteredMeanInterval:
+    """Mean per-episode success difference end − start on the same episodes, with its 95 % interval clustered by
+    task (``clustered_t_interval``; the demo plays every test task equally often, so it is the t interval over
+    the per-task mean differences)."""
+    return clustered_t_interval(*_paired(start, end))
+
+
+def paired_gain_by_episode(
+    start: Sequence[Mapping[str, Any]], end: Sequence[Mapping[str, Any]]
+) -> MeanInterval:
+    """``paired_gain``'s mean with the episode-level paired t interval (episodes taken as independent)."""
+    return t_interval(_paired(start, end)[0])
 
 
 def write_report(run: str | Path) -> dict[str, Any]:
     """``report.md`` and ``demo.png`` for a finished (or partial) run with held-out evaluations; returns the
-    numbers: start and end success with Wilson intervals, the paired gain, the curves."""
+    numbers: start and end success with intervals clustered by task (``ci_low``, ``ci_high``) and Wilson's over
+    episodes (``episode_ci``), the paired gain clustered by task and over episodes (``paired_gain_episode``),
+    the curves."""
     run = Path(run)
     from streamrl.evaluation.curves import read_metrics
 
-    evals = _evals(run)
+    evals = held_out_evaluations(run)
     first, last = min(evals), max(evals)
     rows = read_metrics(run)
     batch = [(int(r["update"]), float(r["batch/success"])) for r in rows if "batch/success" in r]
 
-    def rate(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    def rate(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         wins = sum(bool(r["won"]) for r in records)
-        lo, hi = wilson_interval(wins, len(records))
-        return {"success": wins / len(records), "ci_low": lo, "ci_high": hi, "episodes": len(records)}
+        tasks = [r["task_id"] for r in records]
+        lo, hi = clustered_wilson_interval([bool(r["won"]) for r in records], tasks)
+        return {
+            "success": wins / len(records),
+            "ci_low": lo,
+            "ci_high": hi,
+            "episodes": len(records),
+            "tasks": len(set(tasks)),
+            "episode_ci": list(wilson_interval(wins, len(records))),
+        }
 
     gain = paired_gain(evals[first], evals[last]) if last != first else None
     summary: dict[str, Any] = {
@@ -185,9 +224,12 @@ def write_report(run: str | Path) -> dict[str, Any]:
         "start": {"update": first, **rate(evals[first])},
         "end": {"update": last, **rate(evals[last])},
         "paired_gain": gain.to_dict() if gain is not None else None,
-        # [update, success, half-width of the paired 95 % interval of its difference to the start]
+        "paired_gain_episode": (
+            paired_gain_by_episode(evals[first], evals[last]).to_dict() if last != first else None
+        ),
+        # [update, success, half-width of the 95 % interval (clustered by task) of its difference to the start]
         "held_out_curve": [
-            [u, rate(recs)["success"], 0.0 if u == first else _half(paired_gain(evals[first], recs))]
+            [u, rate(recs)["success"], 0.0 if u == first else paired_gain(evals[first], recs).half_width]
             for u, recs in sorted(evals.items())
         ],
         "batch_curve": batch,
@@ -207,9 +249,11 @@ def summary_text(summary: Mapping[str, Any]) -> str:
     ]
     if g is not None:
         verdict = "excludes 0: it learned" if g["ci_low"] > 0 else "includes 0: no clear gain"
+        ep = summary["paired_gain_episode"]
         lines.append(
-            f"paired gain on the same {g['n']} episodes: {g['mean']:+.3f} "
-            f"[{g['ci_low']:+.3f}, {g['ci_high']:+.3f}] (95 %, {verdict})"
+            f"paired gain on the same {g['n']} episodes of {g['tasks']} tasks: {g['mean']:+.3f} "
+            f"[{g['ci_low']:+.3f}, {g['ci_high']:+.3f}] (95 %, clustered by task, {verdict}; "
+            f"over episodes as if independent [{ep['ci_low']:+.3f}, {ep['ci_high']:+.3f}])"
         )
     return "\n".join(lines)
 
@@ -227,7 +271,7 @@ def plot_demo(summary: Mapping[str, Any], path: Path, trailing: int = 5) -> Path
     n = summary["start"]["episodes"]
     left.errorbar(
         updates, values, yerr=halves, color="tab:blue", marker="o", capsize=3,
-        label="SPO++ (bars: 95 % paired interval of the difference to the start)",
+        label="SPO++ (bars: 95 % paired interval of the difference to the start, clustered by task)",
     )  # fmt: skip
     left.axhline(
         summary["start"]["success"],
@@ -265,17 +309,22 @@ def _markdown(summary: Mapping[str, Any], plot: str) -> str:
         f"Run: `{summary['run']}`. Held-out: {s['episodes']} fixed episodes of the Math-TIR test split (every "
         "task equally often, the same sampling seeds at every evaluation), sampled at temperature 1.",
         "",
-        "| policy | update | held-out success | 95 % interval (Wilson) |",
-        "|---|---|---|---|",
-        f"| start (SFT checkpoint) | {s['update']} | {s['success']:.3f} | [{s['ci_low']:.3f}, {s['ci_high']:.3f}] |",
-        f"| trained (SPO++) | {e['update']} | {e['success']:.3f} | [{e['ci_low']:.3f}, {e['ci_high']:.3f}] |",
-        "",
+        "| policy | update | held-out success | 95 % interval (by task) | 95 % interval (episodes, Wilson) |",
+        "|---|---|---|---|---|",
     ]
+    for name, r in (("start (SFT checkpoint)", s), ("trained (SPO++)", e)):
+        lines.append(
+            f"| {name} | {r['update']} | {r['success']:.3f} | [{r['ci_low']:.3f}, {r['ci_high']:.3f}] | "
+            f"[{r['episode_ci'][0]:.3f}, {r['episode_ci'][1]:.3f}] |"
+        )
+    lines.append("")
     if g is not None:
+        ep = summary["paired_gain_episode"]
         lines += [
-            f"**Paired gain** (trained − start, per episode, the same {g['n']} episodes): **{g['mean']:+.3f}**, "
-            f"95 % interval [{g['ci_low']:+.3f}, {g['ci_high']:+.3f}] (Student t on the differences)"
-            + (": it excludes 0." if g["ci_low"] > 0 else ": it includes 0, no clear gain in this run."),
+            f"**Paired gain** (trained − start, per episode, the same {g['n']} episodes of {g['tasks']} tasks): "
+            f"**{g['mean']:+.3f}**, 95 % interval [{g['ci_low']:+.3f}, {g['ci_high']:+.3f}] clustered by task"
+            + (": it excludes 0." if g["ci_low"] > 0 else ": it includes 0, no clear gain in this run.")
+            + f" Over episodes as if independent it would be [{ep['ci_low']:+.3f}, {ep['ci_high']:+.3f}].",
             "",
         ]
     curve = ", ".join(f"{u}: {v:.3f}" for u, v, _ in summary["held_out_curve"])
@@ -290,7 +339,12 @@ def _markdown(summary: Mapping[str, Any], plot: str) -> str:
         "every evaluation's episodes exactly as at the start (same tasks, same sampling seeds), so it stays at the "
         "start's value -- the learning-rate-0 control, for free. Points above it are learning.",
         "- **The paired gain**, not the two intervals of the table: the same episodes under both policies differ "
-        "only where the policy changed, so the paired interval is far narrower than the Wilson intervals suggest.",
+        "only where the policy changed, so the paired interval is far narrower than the two success intervals "
+        "suggest.",
+        "- **Intervals clustered by task.** Each test task is played several times; its episodes share the task's "
+        "difficulty and are not independent draws, so the unit is the task (with every task equally often: the "
+        "t interval over the per-task mean differences). The episode-level interval beside it treats every "
+        "episode as independent and is too narrow when outcomes correlate within tasks.",
         "- **The training batches** (right) rise partly without learning: SPO++'s sampler draws tasks near "
         "v̂ = ½ more often as the tracker learns the task values, which moves batch success for a frozen policy too. "
         "Its trailing mean is a sanity check, not the result.",

@@ -25,10 +25,12 @@ They run on the streaming vector env through the trainer's runtime (``algorithms
 action in one call. A scripted expert plays through the same runtime behind ``ScriptedRecorder``.
 
 The report (``run_evaluation``, a JSON-ready dict): per agent and temperature, the success rate with its
-Wilson 95 % interval, mean reward, unbiased pass@k (Chen et al. 2021) averaged over tasks, mean steps, action
+95 % interval clustered by task (the task is the unit: its samples and seeds are not independent draws) and the
+episode-level Wilson interval beside it, mean reward, unbiased pass@k (Chen et al. 2021) averaged over tasks, mean steps, action
 tokens and tool calls, the invalid-action rate, and the same per breakdown group -- the split (ALFWorld's seen
 vs unseen), ``task_type`` (ALFWorld's six task types, from the env's info), ``source`` and ``family`` (Math-TIR's
-task records); each agent's per-episode records; and, with a second agent, the paired differences.
+task records); each agent's per-episode records; and, with a second agent, the paired differences with their
+intervals clustered by task, the episode-level ones beside them.
 ``format_report`` prints it as a table. Formulas: ``docs/evaluation.md``.
 """
 
@@ -47,7 +49,15 @@ from streamrl.agents.base import Agent, EpisodeId, GenerationBackend, SamplingPa
 from streamrl.agents.env_specs import env_spec, play_tasks
 from streamrl.agents.trajectory import Trajectory, TurnRecord
 from streamrl.evaluation.curves import run_config
-from streamrl.evaluation.stats import MeanInterval, pass_at_k, t_interval, wilson_interval
+from streamrl.evaluation.stats import (
+    ClusteredMeanInterval,
+    MeanInterval,
+    clustered_t_interval,
+    clustered_wilson_interval,
+    pass_at_k,
+    t_interval,
+    wilson_interval,
+)
 
 # ----------------------------------------------------------------------------------------------------------
 # The lock-step success rate SFT reports (kept for ``streamrl sft``)
@@ -563,8 +573,9 @@ def play_split(
 
 
 def summarize(records: Sequence[EpisodeRecord], pass_k: Iterable[int] = (1,)) -> dict[str, Any]:
-    """The metrics of ``records`` (one mode's): ``episodes``, ``successes``, ``success_rate`` with its Wilson
-    95 % interval (``success_ci95``), ``mean_reward``, ``pass_at_k`` (unbiased, per task averaged over tasks;
+    """The metrics of ``records`` (one mode's): ``episodes``, ``successes``, ``success_rate`` with its 95 %
+    interval clustered by task (``success_ci95_task``: ``clustered_wilson_interval`` over (split, task); ``None``
+    with a single task) and the episode-level Wilson interval (``success_ci95``), ``mean_reward``, ``pass_at_k`` (unbiased, per task averaged over tasks;
     each k up to the fewest episodes a task has), ``tasks``, ``mean_steps``, ``mean_action_tokens``,
     ``mean_tool_calls``, ``invalid_action_rate`` (invalid actions per step) and ``errors``."""
     n = len(records)
@@ -573,7 +584,7 @@ def summarize(records: Sequence[EpisodeRecord], pass_k: Iterable[int] = (1,)) ->
     wins = sum(r.success for r in records)
     per_task: dict[tuple[str, str], list[bool]] = defaultdict(list)
     for r in records:
-        per_task[(r.split, r.task_id)].append(r.success)
+        per_task[_task(r)].append(r.success)
     fewest = min(len(v) for v in per_task.values())
     steps = sum(r.steps for r in records)
     return {
@@ -581,6 +592,11 @@ def summarize(records: Sequence[EpisodeRecord], pass_k: Iterable[int] = (1,)) ->
         "successes": wins,
         "success_rate": wins / n,
         "success_ci95": list(wilson_interval(wins, n)),
+        "success_ci95_task": (
+            list(clustered_wilson_interval([r.success for r in records], [_task(r) for r in records]))
+            if len(per_task) > 1
+            else None
+        ),
         "mean_reward": sum(r.reward for r in records) / n,
         "tasks": len(per_task),
         "pass_at_k": {
@@ -596,6 +612,11 @@ def summarize(records: Sequence[EpisodeRecord], pass_k: Iterable[int] = (1,)) ->
     }
 
 
+def _task(record: EpisodeRecord) -> tuple[str, str]:
+    """The task an episode samples, the unit of the clustered intervals: (split, task id)."""
+    return (record.split, record.task_id)
+
+
 def breakdown(records: Sequence[EpisodeRecord], pass_k: Iterable[int] = (1,)) -> dict[str, dict[str, Any]]:
     """``summarize`` per value of each breakdown attribute (``EpisodeRecord.groups``); an episode without an
     attribute others have counts under ``"unknown"``, so each attribute's groups hold every episode."""
@@ -609,14 +630,16 @@ def breakdown(records: Sequence[EpisodeRecord], pass_k: Iterable[int] = (1,)) ->
     return out
 
 
-def paired_difference(
+Metric = Literal["success", "reward", "steps", "action_tokens"]
+
+
+def paired_differences(
     a_records: Sequence[EpisodeRecord | Mapping[str, Any]],
     b_records: Sequence[EpisodeRecord | Mapping[str, Any]],
-    metric: Literal["success", "reward", "steps", "action_tokens"] = "success",
-    confidence: float = 0.95,
-) -> MeanInterval:
-    """The mean paired difference a − b of ``metric`` over the same episodes and its interval: a paired t
-    interval on the per-episode differences (mean ± t_{0.975, n−1} s/√n).
+    metric: Metric = "success",
+) -> tuple[list[float], list[tuple[str, str]]]:
+    """The per-episode differences a − b of ``metric`` over the same episodes (in episode order), and each
+    episode's task (split, task id).
 
     Each side holds one mode's records (records from a report's JSON work as they are). The two sides must
     name the same episodes (split, task, seed, sample), each once: otherwise ``ValueError`` saying which
@@ -643,8 +666,36 @@ def paired_difference(
         )
     if metric not in ("success", "reward", "steps", "action_tokens"):
         raise ValueError(f"unknown metric {metric!r}; valid: success, reward, steps, action_tokens")
-    diffs = [float(getattr(a[e], metric)) - float(getattr(b[e], metric)) for e in sorted(a)]
+    episodes = sorted(a)
+    diffs = [float(getattr(a[e], metric)) - float(getattr(b[e], metric)) for e in episodes]
+    return diffs, [_task(a[e]) for e in episodes]
+
+
+def paired_difference(
+    a_records: Sequence[EpisodeRecord | Mapping[str, Any]],
+    b_records: Sequence[EpisodeRecord | Mapping[str, Any]],
+    metric: Metric = "success",
+    confidence: float = 0.95,
+) -> MeanInterval:
+    """The mean paired difference a − b of ``metric`` over the same episodes and its episode-level interval: a
+    paired t interval on the per-episode differences (mean ± t_{0.975, n−1} s/√n), which treats episodes as
+    independent. ``paired_difference_by_task`` is the honest one when tasks repeat (``paired_differences``
+    says what the sides must hold)."""
+    diffs, _ = paired_differences(a_records, b_records, metric)
     return t_interval(diffs, confidence)
+
+
+def paired_difference_by_task(
+    a_records: Sequence[EpisodeRecord | Mapping[str, Any]],
+    b_records: Sequence[EpisodeRecord | Mapping[str, Any]],
+    metric: Metric = "success",
+    confidence: float = 0.95,
+) -> ClusteredMeanInterval:
+    """The mean paired difference a − b of ``metric`` over the same episodes with its interval clustered by task
+    (``clustered_t_interval``: with every task played equally often, the t interval over the per-task mean
+    differences on tasks − 1 degrees of freedom). Needs episodes of at least two tasks."""
+    diffs, tasks = paired_differences(a_records, b_records, metric)
+    return clustered_t_interval(diffs, tasks, confidence)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -800,26 +851,38 @@ def run_evaluation(config: EvalConfig, log: Callable[[str], None] | None = None)
                 [EpisodeRecord.from_dict(r) for r in x["episodes"] if r["temperature"] == temperature]
                 for x in agents
             )
-            metrics: tuple[Literal["success", "reward"], ...] = ("success", "reward")
+            metrics: tuple[Metric, ...] = ("success", "reward")
             for metric in metrics:
                 if len(a) < 2:
                     continue
-                diff = paired_difference(a, b, metric)
-                report["paired"].append(
-                    {
-                        "temperature": temperature,
-                        "metric": metric,
-                        "a": "A",
-                        "b": "B",
-                        **diff.to_dict(),
-                        "method": "paired t",
-                    }
-                )
+                report["paired"].append({"temperature": temperature, "metric": metric, "a": "A", "b": "B"})
+                report["paired"][-1].update(_paired_entry(a, b, metric))
     report["seconds"] = round(time.perf_counter() - started, 1)
     if config.out is not None:
         config.out.parent.mkdir(parents=True, exist_ok=True)
         config.out.write_text(json.dumps(report, indent=1))
     return report
+
+
+def _paired_entry(a: Sequence[EpisodeRecord], b: Sequence[EpisodeRecord], metric: Metric) -> dict[str, Any]:
+    """A report's paired difference A − B of ``metric``: the interval clustered by task (``ci_low``,
+    ``ci_high``, ``tasks``, ``se``, ``df``; all ``None`` with a single task) and the episode-level paired t
+    interval beside it (``episode``)."""
+    episode = paired_difference(a, b, metric)
+    tasks = {_task(r) for r in a}
+    clustered: dict[str, Any] = (
+        paired_difference_by_task(a, b, metric).to_dict()
+        if len(tasks) > 1
+        else {"ci_low": None, "ci_high": None, "se": None, "df": None, "method": "one task: no interval"}
+    )
+    return {
+        **clustered,
+        "mean": episode.mean,
+        "n": episode.n,
+        "tasks": len(tasks),
+        "confidence": episode.confidence,
+        "episode": {**episode.to_dict(), "method": "paired t over episodes"},
+    }
 
 
 def _progress_bar(config: EvalConfig, label: str, env: str) -> Any:
@@ -838,13 +901,18 @@ def _mode(temperature: float) -> str:
     return "greedy" if temperature == 0 else f"T={temperature:g}"
 
 
+def _interval(bounds: Sequence[float] | None, sign: str = "") -> str:
+    return "–" if bounds is None else f"[{bounds[0]:{sign}.3f}, {bounds[1]:{sign}.3f}]"
+
+
 def _row(name: str, s: Mapping[str, Any], ks: Sequence[str]) -> list[str]:
-    lo, hi = s["success_ci95"]
     return [
         name,
         str(s["episodes"]),
+        str(s["tasks"]),
         f"{s['success_rate']:.3f}",
-        f"[{lo:.3f}, {hi:.3f}]",
+        _interval(s.get("success_ci95_task")),
+        _interval(s["success_ci95"]),
         f"{s['mean_reward']:.3f}",
         *[f"{s['pass_at_k'][k]:.3f}" if k in s["pass_at_k"] else "–" for k in ks],
         f"{s['mean_steps']:.2f}",
@@ -871,8 +939,10 @@ def format_report(report: Mapping[str, Any]) -> str:
         header = [
             "",
             "episodes",
+            "tasks",
             "success",
-            "95% CI",
+            "95% CI (tasks)",
+            "95% CI (episodes)",
             "reward",
             *[f"pass@{k}" for k in ks],
             "steps",
@@ -891,10 +961,17 @@ def format_report(report: Mapping[str, Any]) -> str:
                 rows += [_row(f"  {key}={value}", s, ks) for value, s in groups.items()]
         lines += _table(rows)
     if report["paired"]:
-        lines += ["", "paired differences A − B on the same episodes (paired t, 95 % interval):"]
+        lines += [
+            "",
+            "paired differences A − B on the same episodes, 95 % intervals clustered by task (the unit) and, "
+            "beside them, over episodes as if independent:",
+        ]
         for p in report["paired"]:
+            clustered = None if p["ci_low"] is None else (p["ci_low"], p["ci_high"])
+            episode = p["episode"]
             lines.append(
-                f"  {_mode(p['temperature'])} {p['metric']}: {p['mean']:+.3f} "
-                f"[{p['ci_low']:+.3f}, {p['ci_high']:+.3f}] over {p['n']} episodes"
+                f"  {_mode(p['temperature'])} {p['metric']}: {p['mean']:+.3f} {_interval(clustered, '+')} "
+                f"over {p['tasks']} tasks; episodes {_interval((episode['ci_low'], episode['ci_high']), '+')} "
+                f"over {p['n']}"
             )
     return "\n".join(lines)

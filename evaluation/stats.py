@@ -1,4 +1,11 @@
-"""The statistics evaluation reports: Wilson intervals, unbiased pass@k, Student-t intervals of a mean.
+"""The statistics evaluation reports: Wilson intervals, unbiased pass@k, Student-t intervals of a mean, and the
+same intervals clustered by task.
+
+Why clustered: an evaluation plays each task several times (samples, seeds), and episodes of one task are not
+independent draws -- a hard task is hard for every sample. The unit that is drawn is the task, so an interval
+that counts episodes as independent is too narrow whenever outcomes correlate within tasks.
+``clustered_t_interval`` and ``clustered_wilson_interval`` treat the task as the unit; the episode-level
+``t_interval`` and ``wilson_interval`` are kept beside them.
 
 Plain Python (no SciPy): each function is a closed form or a short series, checked in
 ``tests/test_evaluation_stats.py`` against hand-computed values and published tables. Formulas and their
@@ -8,7 +15,7 @@ meaning: ``docs/evaluation.md``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 
@@ -28,14 +35,17 @@ def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[f
     """
     if n < 1 or not 0 <= successes <= n:
         raise ValueError(f"need 0 <= successes <= n and n >= 1, got successes={successes}, n={n}")
-    z = _z(confidence)
-    p = successes / n
+    return _wilson(successes / n, n, _z(confidence))
+
+
+def _wilson(p: float, n: float, z: float) -> tuple[float, float]:
+    """Wilson's interval of a proportion ``p`` observed on (an effective) ``n``, at the normal quantile ``z``."""
     denominator = 1 + z * z / n
     center = (p + z * z / (2 * n)) / denominator
     half = z / denominator * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
     # at 0 (n) successes the bound is exactly 0 (1); the closed form leaves a rounding residue
-    low = 0.0 if successes == 0 else max(0.0, center - half)
-    high = 1.0 if successes == n else min(1.0, center + half)
+    low = 0.0 if p == 0 else max(0.0, center - half)
+    high = 1.0 if p == 1 else min(1.0, center + half)
     return low, high
 
 
@@ -110,6 +120,10 @@ class MeanInterval:
     """Sample standard deviation (n − 1 in the denominator)."""
     confidence: float = 0.95
 
+    @property
+    def half_width(self) -> float:
+        return (self.high - self.low) / 2
+
     def to_dict(self) -> dict[str, float | int]:
         return {
             "mean": self.mean,
@@ -139,3 +153,125 @@ def t_interval(values: Sequence[float], confidence: float = 0.95) -> MeanInterva
     sd = sample_sd(values)
     half = student_t_quantile(0.5 + confidence / 2, n - 1) * sd / math.sqrt(n)
     return MeanInterval(mean, mean - half, mean + half, n, sd, confidence)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Intervals clustered by task
+
+
+@dataclass(frozen=True)
+class ClusteredMeanInterval:
+    """The mean of n episode values from ``tasks`` tasks, with its task-clustered interval
+    (``clustered_t_interval``): mean ± t_{(1+confidence)/2, ⌊df⌋} · se."""
+
+    mean: float
+    low: float
+    high: float
+    n: int
+    """Episodes."""
+    tasks: int
+    """Distinct tasks (the clusters)."""
+    se: float
+    """The cluster-robust (CR2) standard error of the mean."""
+    df: float
+    """Bell-McCaffrey degrees of freedom (tasks − 1 when every task has as many episodes)."""
+    confidence: float = 0.95
+
+    @property
+    def half_width(self) -> float:
+        return (self.high - self.low) / 2
+
+    def to_dict(self) -> dict[str, float | int | str]:
+        return {
+            "mean": self.mean,
+            "ci_low": self.low,
+            "ci_high": self.high,
+            "n": self.n,
+            "tasks": self.tasks,
+            "se": self.se,
+            "df": self.df,
+            "confidence": self.confidence,
+            "method": "clustered by task (CR2 s.e., Bell-McCaffrey df)",
+        }
+
+
+def _by_task(values: Sequence[float], tasks: Sequence[Hashable]) -> list[list[float]]:
+    """``values`` grouped by their task, in order of first appearance."""
+    if len(values) != len(tasks):
+        raise ValueError(f"need one task per value, got {len(values)} values and {len(tasks)} tasks")
+    groups: dict[Hashable, list[float]] = {}
+    for value, task in zip(values, tasks, strict=True):
+        groups.setdefault(task, []).append(float(value))
+    return list(groups.values())
+
+
+def clustered_t_interval(
+    values: Sequence[float], tasks: Sequence[Hashable], confidence: float = 0.95
+) -> ClusteredMeanInterval:
+    """The mean of the episode values ``values`` (``tasks[i]`` the task of ``values[i]``) with an interval that
+    takes the task as the unit: a cluster-robust standard error and Student t on the tasks' degrees of freedom.
+
+    The estimate is the pooled mean ȳ over all N episodes (what the reports show). Its variance is the CR2
+    estimator of the intercept-only model (Bell & McCaffrey 2002; the small-sample choice Imbens & Kolesár 2016
+    recommend), which for a mean is a closed form: with task g's m_g episodes and residual total
+    e_g = Σ_j (y_gj − ȳ),
+
+      se² = Σ_g e_g² / (1 − m_g/N) / N²,
+
+    on df = N² / (Σ_g m_g² + ((Σ_g a_g)² − Σ_g a_g²) / N²), a_g = m_g² / (1 − m_g/N) -- the Bell-McCaffrey
+    (Satterthwaite) degrees of freedom of that estimator when episodes were independent; the quantile uses ⌊df⌋
+    (conservative; the t series is exact for integer df).
+
+    Balanced (every task m episodes) this is exactly the t interval over the G per-task means (se² = s²_means / G,
+    df = G − 1); with one episode per task it is the episode-level ``t_interval``. Unbalanced, each task weighs
+    by its episodes, as the pooled mean does (a t interval over per-task means would estimate the unweighted
+    task average instead, another quantity), and the degrees of freedom fall below G − 1 as a few large tasks
+    dominate. Needs at least two tasks.
+    """
+    groups = _by_task(values, tasks)
+    n, g = len(values), len(groups)
+    if g < 2:
+        raise ValueError(
+            f"an interval clustered by task needs episodes of at least 2 tasks, got {g} task(s) ({n} episodes)"
+        )
+    mean = sum(values) / n
+    weights = [1 / (1 - len(x) / n) for x in groups]  # (1 − m_g/N)^-1: CR2's adjustment of task g
+    se = math.sqrt(sum(w * (sum(x) - len(x) * mean) ** 2 for w, x in zip(weights, groups, strict=True))) / n
+    a = [w * len(x) ** 2 for w, x in zip(weights, groups, strict=True)]
+    df = n * n / (sum(len(x) ** 2 for x in groups) + (sum(a) ** 2 - sum(v * v for v in a)) / (n * n))
+    half = student_t_quantile(0.5 + confidence / 2, _whole_df(df)) * se
+    return ClusteredMeanInterval(mean, mean - half, mean + half, n, g, se, df, confidence)
+
+
+def _whole_df(df: float) -> int:
+    """⌊df⌋, at least 1 (a balanced design's df = G − 1 may carry a rounding residue below the integer)."""
+    return max(1, math.floor(df + 1e-9))
+
+
+def clustered_wilson_interval(
+    outcomes: Sequence[bool | float], tasks: Sequence[Hashable], confidence: float = 0.95
+) -> tuple[float, float]:
+    """The success rate of 0/1 ``outcomes`` (``tasks[i]`` the task of episode i) with a Wilson interval on the
+    effective number of episodes of a clustered sample (Korn & Graubard 1998):
+
+      n* = min(N, p(1 − p) / se² · (z / t_{⌊df⌋})²),
+
+    se and df those of ``clustered_t_interval`` (CR2, Bell-McCaffrey). p(1 − p)/se² is N over the design effect
+    (how much the clustering inflates the binomial variance); the factor (z/t)² makes Wilson's normal quantile
+    carry the t quantile's width; the cap at N never makes the interval narrower than ``wilson_interval``'s. A
+    Wilson form rather than p ± t·se keeps the interval inside [0, 1] and not empty at 0 or N successes, where
+    se is 0 and n* = N. Needs at least two tasks.
+    """
+    values = [float(o) for o in outcomes]
+    if any(v not in (0.0, 1.0) for v in values):
+        raise ValueError(
+            f"outcomes must be 0/1 (success or failure), got {sorted(set(values) - {0.0, 1.0})[:3]}"
+        )
+    interval = clustered_t_interval(values, tasks, confidence)
+    p, n = interval.mean, interval.n
+    z = _z(confidence)
+    effective = float(n)
+    if 0 < p < 1 and interval.se > 0:
+        t = student_t_quantile(0.5 + confidence / 2, _whole_df(interval.df))
+        effective = min(effective, p * (1 - p) / interval.se**2 * (z / t) ** 2)
+    return _wilson(p, effective, z)

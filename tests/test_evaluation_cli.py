@@ -230,7 +230,11 @@ def test_demo_trains_evaluates_paired_and_reports(tmp_path: Path, capsys: pytest
     assert summary["paired_gain"]["mean"] == pytest.approx(
         summary["end"]["success"] - summary["start"]["success"]
     )
-    assert "paired gain on the same 6 episodes" in printed
+    # the 6 held-out episodes are 6 distinct tasks: clustered by task, the interval is the episodes' one
+    gain, by_episode = summary["paired_gain"], summary["paired_gain_episode"]
+    assert (gain["tasks"], summary["start"]["tasks"], by_episode["n"]) == (6, 6, 6)
+    assert (gain["ci_low"], gain["ci_high"]) == pytest.approx((by_episode["ci_low"], by_episode["ci_high"]))
+    assert "paired gain on the same 6 episodes of 6 tasks" in printed
     report = (out / "report.md").read_text()
     assert "![learning curves](demo.png)" in report and (out / "demo.png").stat().st_size > 10_000
     metrics = (out / "metrics.jsonl").read_text()
@@ -243,7 +247,8 @@ def test_demo_trains_evaluates_paired_and_reports(tmp_path: Path, capsys: pytest
         main(["eval", f"run:{out}", "--vs", f"run:{out}@0", "--out", str(tmp_path / "e.json"), *small_eval])
         == 0
     )
-    assert json.loads((tmp_path / "e.json").read_text())["paired"][0]["n"] == 2
+    paired = json.loads((tmp_path / "e.json").read_text())["paired"][0]
+    assert (paired["n"], paired["tasks"], paired["episode"]["n"]) == (2, 2, 2)
     assert main(["compare", str(out), "--out", str(tmp_path / "cmp")]) == 0
     assert (tmp_path / "cmp" / "report.md").is_file()
     with pytest.raises(SystemExit):
@@ -282,15 +287,20 @@ def test_the_demo_starts_from_a_shipped_checkpoint(
     assert initial_model_dir(config.model, config.init, config.env, sft=config.sft).name == starts[0]
 
 
-def test_paired_gain_is_the_mean_of_per_episode_differences() -> None:
-    from streamrl.evaluation.demo import paired_gain
+def test_paired_gain_is_the_mean_of_per_episode_differences_clustered_by_task() -> None:
+    from streamrl.evaluation.demo import paired_gain, paired_gain_by_episode
 
     start = [{"key": k, "task_id": f"t{k % 2}", "won": w} for k, w in enumerate([0, 0, 1, 1])]
     end = [{"key": k, "task_id": f"t{k % 2}", "won": w} for k, w in enumerate([1, 1, 1, 0])]
     gain = paired_gain(start, end)
-    # differences 1, 1, 0, -1: mean .25, s.d. sqrt(((.75)^2*2 + .25^2 + 1.25^2)/3) = .9574; t_{.975,3} = 3.1824
-    assert gain.mean == pytest.approx(0.25)
-    assert gain.high - gain.mean == pytest.approx(3.182446 * 0.957427 / 2, rel=1e-5)
+    # differences 1, 1, 0, -1; task t0 (keys 0, 2): 1, 0, mean .5; t1 (keys 1, 3): 1, -1, mean 0.
+    # By task: mean .25, s.d. of (.5, 0) = .353553, se = .25, t_{.975,1} = 12.706205: half-width 3.176551
+    assert (gain.mean, gain.n, gain.tasks) == (pytest.approx(0.25), 4, 2)
+    assert gain.half_width == pytest.approx(12.706205 * 0.25, rel=1e-6)
+    # by episode: s.d. sqrt(((.75)^2*2 + .25^2 + 1.25^2)/3) = .9574; t_{.975,3} = 3.1824
+    episodes = paired_gain_by_episode(start, end)
+    assert episodes.mean == pytest.approx(0.25)
+    assert episodes.half_width == pytest.approx(3.182446 * 0.957427 / 2, rel=1e-5)
     with pytest.raises(ValueError, match="same episodes"):
         paired_gain(start, [{**r, "task_id": "other"} for r in end])
 

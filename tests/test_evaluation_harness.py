@@ -18,6 +18,7 @@ import pytest
 from streamrl.algorithms.train import TrainConfig, train
 from streamrl.evaluation.cli import main
 from streamrl.evaluation.compare import CompareConfig, compare
+from streamrl.evaluation.curves import read_metrics
 from streamrl.evaluation.harness import EvalConfig, run_evaluation
 
 QUIET = lambda _: None  # noqa: E731
@@ -88,6 +89,8 @@ def test_eval_cli_reports_every_metric_and_breakdowns_that_sum(
         assert s["episodes"] == len(mode)
         assert s["successes"] == sum(e["success"] for e in mode) == 0  # untrained tiny
         assert s["success_ci95"][0] == 0.0 < s["success_ci95"][1]
+        # no success: no variance to estimate the clustering from, the clustered interval is Wilson's
+        assert (s["tasks"], s["success_ci95_task"]) == (3, s["success_ci95"])
         assert s["mean_steps"] == sum(e["steps"] for e in mode) / len(mode) > 0
         assert 0 < s["mean_action_tokens"] <= 8 * s["mean_steps"]
         assert 0 <= s["invalid_action_rate"] <= 1
@@ -163,7 +166,12 @@ def test_a_run_at_any_version_and_paired_comparison(runs: dict[str, Path]) -> No
     a, b = report["agents"]
     assert "at version 2" in a["description"]  # SPO publishes every update: the latest of two
     assert [p["metric"] for p in report["paired"]] == ["success", "reward"]
-    assert all(p["n"] == 4 and p["method"] == "paired t" for p in report["paired"])
+    for p in report["paired"]:  # 2 tasks x 2 samples: the interval clustered by task, the episodes' beside it
+        assert (p["n"], p["tasks"], p["df"]) == (4, 2, pytest.approx(1.0))
+        assert (
+            p["method"].startswith("clustered by task") and p["episode"]["method"] == "paired t over episodes"
+        )
+        assert p["episode"]["n"] == 4 and p["episode"]["mean"] == p["mean"]
     # Version 0 of a run from the base model is model:tiny: the same episodes, token for token.
     same = run_evaluation(
         EvalConfig(agent=f"run:{run}@0", vs="model:tiny", **{**SMALL, "tasks": 2}, temperatures=(1.0,)),
@@ -171,7 +179,7 @@ def test_a_run_at_any_version_and_paired_comparison(runs: dict[str, Path]) -> No
     )
     first, second = same["agents"]
     assert first["episodes"] == second["episodes"] == b["episodes"]
-    assert all(p["mean"] == 0 and p["sd"] == 0 for p in same["paired"])
+    assert all(p["mean"] == p["se"] == p["episode"]["sd"] == 0 for p in same["paired"])
 
 
 @pytest.mark.parametrize(
@@ -226,6 +234,13 @@ def test_compare_writes_table_plots_and_report(
     assert held_out["pairs"][0]["points"] == 3  # evaluations at updates 0, 1, 2
     for metric in ("auc_trapz", "auc_mean", "final", "c10"):
         assert set(held_out["metrics"][metric]) == {"a", "b", "difference"}
+    # each run's own held-out gain, its last evaluation against the first, clustered by task as the trainer logs it
+    assert "last − first (95 %, by task)" in report
+    for info in data["runs"]:
+        last = [r for r in read_metrics(Path(info["run"])) if "eval/delta" in r][-1]
+        gain = info["held_out_gain"]
+        assert (gain["n"], gain["tasks"]) == (4, 4) and gain["mean"] == pytest.approx(last["eval/delta"])
+        assert (gain["ci_high"] - gain["ci_low"]) / 2 == pytest.approx(last["eval/delta_ci95"])
     # the Python API on one side only: a summary table
     alone = compare(CompareConfig(runs=(runs["spo"],), out=tmp_path / "alone"))
     assert alone["labels"] == ["spo"] and "| batch/success | spo |" in alone["markdown"]

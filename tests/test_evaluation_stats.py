@@ -1,12 +1,14 @@
 """The statistics of the evaluation harness and the learning-curve metrics, against hand-computed oracles
 (``docs/evaluation.md`` has the formulas): Wilson intervals, unbiased pass@k, Student-t quantiles and
-intervals, paired differences of episode records, SPO++ Eq. 7 / Eq. 8, and matched runs compared as SPO++
+intervals, intervals clustered by task (CR2 with Bell-McCaffrey degrees of freedom, against hand-computed cases
+and the matrix form of the estimator), paired differences of episode records, SPO++ Eq. 7 / Eq. 8, and matched runs compared as SPO++
 Table 1 does (truncated to the common budget, mean ± sample s.d. of the paired differences)."""
 
 from __future__ import annotations
 
 import json
 import math
+import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,8 +25,21 @@ from streamrl.evaluation.curves import (
     pair_curves,
     read_metrics,
 )
-from streamrl.evaluation.harness import AgentSpec, EpisodeRecord, paired_difference, summarize
-from streamrl.evaluation.stats import pass_at_k, student_t_quantile, t_interval, wilson_interval
+from streamrl.evaluation.harness import (
+    AgentSpec,
+    EpisodeRecord,
+    paired_difference,
+    paired_difference_by_task,
+    summarize,
+)
+from streamrl.evaluation.stats import (
+    clustered_t_interval,
+    clustered_wilson_interval,
+    pass_at_k,
+    student_t_quantile,
+    t_interval,
+    wilson_interval,
+)
 
 # ---------------------------------------------------------------------------------------------------------
 # Wilson, pass@k, Student t
@@ -99,6 +114,148 @@ def test_t_interval() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Intervals clustered by task
+
+
+def grouped(per_task: dict[str, list[float]]) -> tuple[list[float], list[str]]:
+    """(values, their tasks) of ``{task: [values]}``."""
+    return [v for vs in per_task.values() for v in vs], [t for t, vs in per_task.items() for _ in vs]
+
+
+def test_clustered_interval_of_a_balanced_design_is_the_t_interval_over_task_means() -> None:
+    # 4 tasks x 3 episodes; task means 2/3, -1/3, 1, 1/3 -> mean 5/12 (= the pooled mean of the 12 values);
+    # deviations 1/4, -3/4, 7/12, -1/12: Σ² = 35/36, s² = 35/108, s = .569275, se = s/√4 = .284638;
+    # half-width t(.975, 3) · se = 3.182446 · .284638 = .905844.
+    # CR2 the long way: e_g = 3 (mean_g − 5/12) = 3/4, −9/4, 7/4, −1/4, Σ e_g² = 35/4, each weighed 1/(1 − 3/12)
+    # = 4/3, over N² = 144: se² = (4/3)(35/4)/144 = 35/432 = .081019 = .284638².
+    values, tasks = grouped({"t1": [1, 1, 0], "t2": [-1, 0, 0], "t3": [1, 1, 1], "t4": [1, 0, 0]})
+    interval = clustered_t_interval(values, tasks)
+    assert (interval.mean, interval.n, interval.tasks) == (pytest.approx(5 / 12), 12, 4)
+    assert interval.se == pytest.approx(math.sqrt(35 / 432), abs=1e-12)
+    assert interval.df == pytest.approx(3.0)
+    assert (interval.low, interval.high) == pytest.approx((5 / 12 - 0.905844, 5 / 12 + 0.905844), abs=1e-6)
+    over_means = t_interval([2 / 3, -1 / 3, 1.0, 1 / 3])
+    assert (interval.low, interval.high) == pytest.approx((over_means.low, over_means.high), abs=1e-12)
+    # the same 12 values taken as independent: s = .668558, half-width t(.975, 11) · s/√12 = .424781
+    episodes = t_interval(values)
+    assert episodes.half_width == pytest.approx(0.424781, abs=1e-6)
+    assert episodes.half_width < interval.half_width
+
+
+def test_clustered_interval_of_an_unbalanced_design() -> None:
+    # tasks of 3, 1, 2 and 2 episodes, N = 8; pooled mean ȳ = 4/8 (each episode counts once; the unweighted mean
+    # of the task means 1, 0, 1/2, 0 would be 3/8, another quantity). Residual totals e_g = 3/2, −1/2, 0, −1;
+    # CR2 weights 1/(1 − m_g/8) = 8/5, 8/7, 4/3, 4/3:
+    #   se² = (8/5 · 9/4 + 8/7 · 1/4 + 0 + 4/3 · 1) / 64 = 137/1680 = .081548, se = .285565.
+    # Bell-McCaffrey: Σ m_g² = 18; a_g = m_g² / (1 − m_g/8) = 72/5, 8/7, 16/3, 16/3; ((Σa)² − Σa²)/64 = 1027/198;
+    #   df = 64 / (18 + 1027/198) = 315/121 = 2.603, below the tasks − 1 = 3 of a balanced design;
+    # the quantile takes ⌊df⌋ = 2: half-width t(.975, 2) · se = 4.302653 · .285565 = 1.228689.
+    values, tasks = grouped({"A": [1, 1, 1], "B": [0], "C": [1, 0], "D": [0, 0]})
+    interval = clustered_t_interval(values, tasks)
+    assert (interval.mean, interval.tasks) == (0.5, 4)
+    assert interval.se == pytest.approx(math.sqrt(137 / 1680), abs=1e-12)
+    assert interval.df == pytest.approx(315 / 121, abs=1e-12)
+    assert interval.half_width == pytest.approx(1.228689, abs=1e-6)
+
+
+def cr2_by_matrices(values: Sequence[float], tasks: Sequence[str]) -> tuple[float, float]:
+    """(se, df) of the mean by the general CR2 formula (Bell & McCaffrey 2002; Imbens & Kolesár 2016) on the
+    intercept-only design: V = (X'X)⁻¹ Σ_g X_g' A_g e_g e_g' A_g X_g (X'X)⁻¹ with A_g = (I − H_gg)^-½, and
+    df = (Σλ)² / Σλ² over the eigenvalues λ of G'G, G's column g = (I − H)_{·g} A_g X_g (X'X)⁻¹."""
+    np = pytest.importorskip("numpy")
+    y = np.asarray(values, dtype=float)
+    n = len(y)
+    x = np.ones((n, 1))
+    h = x @ np.linalg.inv(x.T @ x) @ x.T
+    residual = y - h @ y
+    bread = np.linalg.inv(x.T @ x)
+    meat, columns = np.zeros((1, 1)), []
+    for task in dict.fromkeys(tasks):
+        idx = np.array([i for i, t in enumerate(tasks) if t == task])
+        w, v = np.linalg.eigh(np.eye(len(idx)) - h[np.ix_(idx, idx)])
+        a = v @ np.diag(w**-0.5) @ v.T
+        score = x[idx].T @ a @ residual[idx]
+        meat += np.outer(score, score)
+        columns.append((np.eye(n) - h)[:, idx] @ a @ x[idx] @ bread)
+    g = np.hstack(columns)
+    eig = np.linalg.eigvalsh(g.T @ g)
+    return float(np.sqrt((bread @ meat @ bread)[0, 0])), float(eig.sum() ** 2 / (eig**2).sum())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_clustered_interval_is_the_cr2_estimator(seed: int) -> None:
+    """The closed form against the matrix form, on random unbalanced designs of 0/1 and real outcomes."""
+    rng = random.Random(seed)
+    sizes = [rng.randint(1, 7) for _ in range(rng.randint(2, 9))]
+    tasks = [f"t{g}" for g, m in enumerate(sizes) for _ in range(m)]
+    values = [float(rng.random() < 0.4) if seed % 2 else rng.gauss(0, 1) for _ in tasks]
+    interval = clustered_t_interval(values, tasks)
+    se, df = cr2_by_matrices(values, tasks)
+    assert interval.se == pytest.approx(se, rel=1e-9, abs=1e-12)
+    assert interval.df == pytest.approx(df, rel=1e-9)
+    assert 1 <= interval.df <= len(sizes) - 1 + 1e-9  # never more than a balanced design's G − 1
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_one_episode_per_task_is_the_episode_level_paired_t_interval(seed: int) -> None:
+    rng = random.Random(seed)
+    a = [record(f"t{i}", 0, rng.random() < 0.5) for i in range(rng.randint(2, 40))]
+    b = [record(f"t{i}", 0, rng.random() < 0.3) for i in range(len(a))]
+    clustered, episodes = paired_difference_by_task(a, b), paired_difference(a, b)
+    assert (clustered.mean, clustered.n, clustered.tasks) == (episodes.mean, episodes.n, episodes.n)
+    assert clustered.df == pytest.approx(episodes.n - 1)
+    assert (clustered.low, clustered.high) == pytest.approx((episodes.low, episodes.high), abs=1e-12)
+
+
+def test_outcomes_shared_within_tasks_widen_the_clustered_interval() -> None:
+    # 5 tasks x 4 samples, every sample of a task the same outcome: the 20 episodes hold 5 independent values.
+    # Clustered se = s_means/√5; episode-level s_e² = 4 · 4 s_means² / 19, se_e = s_e/√20, so the ratio of the
+    # standard errors is √((N − 1)/(G − 1)) = √(19/4), and t(.975, 4) > t(.975, 19) widens it further.
+    per_task = {"a": 1.0, "b": 0.0, "c": 1.0, "d": 1.0, "e": 0.0}
+    a = [record(t, k, won == 1.0) for t, won in per_task.items() for k in range(4)]
+    b = [record(t, k, False) for t in per_task for k in range(4)]
+    clustered, episodes = paired_difference_by_task(a, b), paired_difference(a, b)
+    assert clustered.mean == episodes.mean == 0.6
+    assert clustered.se / (episodes.sd / math.sqrt(20)) == pytest.approx(math.sqrt(19 / 4))
+    assert clustered.half_width / episodes.half_width == pytest.approx(
+        math.sqrt(19 / 4) * student_t_quantile(0.975, 4) / student_t_quantile(0.975, 19)
+    )
+    assert clustered.low < episodes.low and clustered.high > episodes.high
+    lo, hi = clustered_wilson_interval([r.success for r in a], [r.task_id for r in a])
+    wlo, whi = wilson_interval(12, 20)
+    assert lo < wlo and hi > whi
+
+
+def test_clustered_wilson_interval() -> None:
+    # 4 tasks x 3 episodes, 6 of 12 won: p = .5, clustered se² = 5/108 (t intervals above: task means 2/3, 0, 1,
+    # 1/3, s² = 5/27, se² = s²/4), df 3. Effective episodes n* = p(1 − p)/se² · (z/t)² = 5.4 · (1.959964 /
+    # 3.182446)² = 2.048170 (N = 12 over a design effect of 2.22, then the t correction). Wilson on n*: center .5,
+    # half-width z/(1 + z²/n*) · √(.25/n* + z²/4n*²) = .403807.
+    values, tasks = grouped({"t1": [1, 1, 0], "t2": [0, 0, 0], "t3": [1, 1, 1], "t4": [1, 0, 0]})
+    z, t = 1.959964, 3.182446
+    effective = 0.25 / (5 / 108) * (z / t) ** 2
+    half = z / (1 + z * z / effective) * math.sqrt(0.25 / effective + z * z / (4 * effective**2))
+    assert effective == pytest.approx(2.048170, abs=1e-5) and half == pytest.approx(0.403807, abs=1e-5)
+    assert clustered_wilson_interval(values, tasks) == pytest.approx((0.5 - half, 0.5 + half), abs=1e-6)
+    # no success (or no failure): no variance to estimate the clustering from, Wilson's interval on N
+    assert clustered_wilson_interval([0] * 6, ["a", "a", "b", "b", "c", "c"]) == wilson_interval(0, 6)
+    assert clustered_wilson_interval([1] * 6, ["a", "a", "b", "b", "c", "c"]) == wilson_interval(6, 6)
+    # never narrower than the episode-level interval (n* at most N), e.g. outcomes alternating within tasks
+    lo, hi = clustered_wilson_interval([1, 0] * 5, ["a", "a", "b", "b", "c", "c", "d", "d", "e", "e"])
+    wlo, whi = wilson_interval(5, 10)
+    assert lo <= wlo and hi >= whi
+
+
+def test_clustered_intervals_refuse_what_they_cannot_estimate() -> None:
+    with pytest.raises(ValueError, match=r"at least 2 tasks, got 1 task\(s\) \(3 episodes\)"):
+        clustered_t_interval([1.0, 0.0, 1.0], ["a", "a", "a"])
+    with pytest.raises(ValueError, match="one task per value, got 2 values and 3 tasks"):
+        clustered_t_interval([1.0, 0.0], ["a", "b", "c"])
+    with pytest.raises(ValueError, match=r"outcomes must be 0/1 .*got \[0.5\]"):
+        clustered_wilson_interval([0.5, 1.0], ["a", "b"])
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Episode records: summaries and paired differences
 
 
@@ -131,6 +288,9 @@ def test_summarize_averages_pass_at_k_over_tasks() -> None:
     assert s["pass_at_k"]["2"] == pytest.approx(((1 - 3 / 6) + 1) / 2)
     assert "8" not in s["pass_at_k"]  # more than the 4 episodes a task has
     assert s["success_ci95"] == pytest.approx(list(wilson_interval(5, 8)))
+    assert s["success_ci95_task"] == pytest.approx(
+        list(clustered_wilson_interval([r.success for r in records], [r.task_id for r in records]))
+    )
     assert s["invalid_action_rate"] == 4 / 16
     assert (s["mean_steps"], s["mean_action_tokens"], s["mean_tool_calls"]) == (2, 20, 1)
 

@@ -43,6 +43,7 @@ from streamrl.algorithms.learner import Learner, LearnerConfig, length_sorted_ch
 from streamrl.algorithms.runtime import Job, Rollouts, collect
 from streamrl.algorithms.tracker import EventTracker, Receipt, Ticket
 from streamrl.algorithms.train import ConfigError, PublishError, TrainConfig, Trainer
+from streamrl.evaluation.stats import clustered_t_interval, t_interval
 
 QUIET: Callable[[str], None] = lambda _: None  # noqa: E731
 
@@ -676,6 +677,10 @@ def test_held_out_evaluation_is_paired_across_versions(lr: float, primed: Path, 
         start = [float(r["won"]) for r in evals[0]]
         assert rows[update]["eval/success"] == pytest.approx(sum(wins) / 6)
         assert rows[update]["eval/delta"] == pytest.approx((sum(wins) - sum(start)) / 6)
+        diffs, tasks = [w - s for w, s in zip(wins, start, strict=True)], [r["task_id"] for r in evals[0]]
+        assert rows[update]["eval/tasks"] == len(set(tasks))
+        assert rows[update]["eval/delta_ci95"] == pytest.approx(clustered_t_interval(diffs, tasks).half_width)
+        assert rows[update]["eval/delta_ci95_episode"] == pytest.approx(t_interval(diffs).half_width)
         if lr == 0.0:
             assert evals[update] == evals[0]
             assert rows[update]["eval/delta"] == 0.0 and rows[update]["eval/delta_ci95"] == 0.0
