@@ -79,6 +79,7 @@ _MNT_DETACH = 2
 _SYS_MOUNT_SETATTR = 442  # the same number on x86_64 and arm64
 _AT_RECURSIVE, _MOUNT_ATTR_RDONLY = 0x8000, 0x1
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
+_MADV_COLLAPSE = 25
 
 Isolation = Literal["namespaces", "rlimits"]
 ISOLATION_MODES: tuple[Isolation, ...] = ("namespaces", "rlimits")
@@ -387,8 +388,10 @@ class _Zygote:
         outermost = [p for p in trees if not any(p != q and p.startswith(q + os.sep) for q in trees)]
         covered = [p for p in system if p not in links]
         binds = [p for p in covered if os.path.isdir(p)]
+        # A tree under /tmp would lie beneath each call's fresh tmpfs anyway (its preloaded modules still work).
+        skip = [*covered, "/tmp", "/proc", "/dev"]
         binds += [
-            p for p in outermost if p != "/" and not any(p == q or p.startswith(q + os.sep) for q in covered)
+            p for p in outermost if p != "/" and not any(p == q or p.startswith(q + os.sep) for q in skip)
         ]
         devices = [d for d in ("null", "zero", "full", "random", "urandom") if os.path.exists(f"/dev/{d}")]
         # Open every source before the staging tmpfs hides whatever lies beneath it.
@@ -798,6 +801,29 @@ _WARMUP = {
 }
 
 
+def _collapse_heap_into_huge_pages(libc: ctypes.CDLL) -> None:
+    """Back the zygote's heap with 2 MiB pages where the kernel can (``MADV_COLLAPSE``, Linux 6.1+).
+
+    Every call forks the zygote, and a fork copies one page-table entry per mapped 4 KiB page of the
+    heap -- tens of thousands with sympy and numpy loaded -- which the child's exit then tears down again;
+    a huge page is one entry. Pages a process writes later are split back to 4 KiB (copy-on-write keeps
+    working as before). Best effort: a kernel that cannot collapse a range leaves it as it is.
+    """
+    madvise = libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    huge = 2 << 20
+    with open("/proc/self/maps") as f:
+        regions = [line.split() for line in f]
+    for fields in regions:
+        anonymous = len(fields) == 5 or fields[5] == "[heap]"
+        if not anonymous or not fields[1].startswith("rw"):
+            continue
+        low, high = (int(x, 16) for x in fields[0].split("-"))
+        start, end = (low + huge - 1) & ~(huge - 1), high & ~(huge - 1)
+        if end > start:
+            madvise(start, end - start, _MADV_COLLAPSE)
+
+
 def _zygote_main() -> None:
     """Entry point of a spawned zygote; ``argv[1]`` is the config as JSON, ``argv[2]`` its scratch folder.
 
@@ -836,6 +862,7 @@ def _zygote_main() -> None:
     # (and copy-on-write fault in) the zygote's heap -- Instagram's fork-server trick.
     gc.collect()
     gc.freeze()
+    _collapse_heap_into_huge_pages(zygote.libc)
     _send(resp_fd, {"ready": True, "pid": zygote.host_pid, **zygote.describe()})
     zygote.serve()
 
