@@ -1,24 +1,29 @@
 """The embedded generation backend: Hugging Face transformers, token ids in, token ids and log-probs out.
 
-``HFBackend`` implements ``streamrl.agents.base.GenerationBackend`` with its own decoding loop over the
-model's KV cache rather than ``model.generate``, because RL needs things ``generate`` does not give directly:
+``HFBackend`` implements ``streamrl.agents.base.GenerationBackend`` with its own decoding loop rather than
+``model.generate``, because RL needs things ``generate`` does not give directly:
 
 - the log-prob of every sampled token **under the distribution it was actually sampled from** -- softmax of
   ``logits / temperature`` restricted to the top-k / top-p set and renormalized (vLLM's
   ``logprobs_mode="processed_logprobs"``). With the SPO++ rollout setting (temperature 1, top-p 1, top-k off)
-  this is exactly the model's log-prob, which ``score`` recomputes. Greedy decoding (temperature 0) reports the
-  model's temperature-1 log-prob of the argmax token.
-- per-request seeds that do not depend on the batch: row ``i`` of a call samples with its own generator seeded
-  ``seeds[i]`` or ``seed + i`` (``streamrl.agents.base.request_seeds``; Gumbel-style ``argmax(p / Exp(1))``, as
-  vLLM does for seeded requests), so a prompt's sample is reproducible whatever else shares its batch.
-- stop strings checked on the decoded tail of each row; the token that completes a stop string is kept (a
-  token cannot be cut), ``Generation.extra["stop"]`` names what stopped it.
+  this is exactly the model's log-prob, which ``score`` and the learner recompute. Greedy decoding (temperature
+  0) reports the model's temperature-1 log-prob of the argmax token.
+- per-request seeds that do not depend on the batch: row ``i`` of a call samples with seed ``seeds[i]`` or
+  ``seed + i`` (``streamrl.agents.base.request_seeds``). Its ``k``-th token inverts the CDF of its distribution
+  at the ``k``-th uniform of a generator seeded with its seed (``sampling_uniforms``, ``inverse_cdf_sample``):
+  the whole batch samples in a few tensor operations, and a prompt's sample is reproducible whatever else
+  shares its batch.
+- stop strings checked on the decoded tail of a row, only after a token that may complete one
+  (``stop_string_candidates``); the token that completes a stop string is kept (a token cannot be cut),
+  ``Generation.extra["stop"]`` names what stopped it.
 - generation constrained to given token sequences (``choices``, e.g. an env's admissible commands): every
   step masks the logits outside the tokens that continue some choice, and a row that has written a whole
   choice stops (``extra["stop"] == "choice"`` when no stop id ended it).
 
-Batches are left-padded with explicit position ids ``cumsum(attention_mask) - 1`` (docs/platform.md §2), and
-rows that finish leave the batch (their KV-cache rows are dropped).
+The model runs in ``streamrl.agents.static_cache.StaticCacheDecoder`` (Llama/Qwen2 architectures: a
+preallocated KV cache, the layer arithmetic from the weight tensors, no module calls) or, for any other causal
+LM, ``HFForwardDecoder`` (the model's forward over a ``DynamicCache``); ``HFBackendConfig.decode`` chooses.
+Finished rows stay in the batch until they are a quarter of it, then leave it (their KV-cache rows are dropped).
 
 Adapters. ``set_adapter(path, v)`` loads the peft adapter saved at ``path`` under a name of the backend's own
 (``streamrl-v<v>-load<n>``) and serves it; the backend's previous loads are then deleted. ``set_adapter(None,
@@ -56,6 +61,7 @@ from streamrl.agents.base import (
 from streamrl.agents.batch import pad_right
 from streamrl.agents.logprobs import position_ids_from_mask, token_logprobs
 from streamrl.agents.models import load_tokenizer, resolve_model
+from streamrl.agents.static_cache import StaticCacheDecoder
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -74,12 +80,19 @@ class HFBackendConfig:
     """Seeds the backend's own generator, used for calls whose ``SamplingParams.seed`` is ``None``."""
     num_threads: int | None = None
     """If set, ``torch.set_num_threads`` at construction (1 is best on a shared CPU box, docs/platform.md §3)."""
+    decode: Literal["auto", "static", "hf"] = "auto"
+    """How generation runs the model: "static" = ``StaticCacheDecoder`` (Llama/Qwen2 architectures; a preallocated
+    KV cache, no module calls; ``ValueError`` for a model it cannot run), "hf" = the model's own forward over a
+    transformers ``DynamicCache`` (any causal LM), "auto" (default) = "static" where it can run, else "hf". Both
+    compute the same logits up to float rounding and sample them the same way."""
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.decode not in ("auto", "static", "hf"):
+            raise ValueError(f"decode must be 'auto', 'static' or 'hf', got {self.decode!r}")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -117,6 +130,122 @@ def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     return torch.log_softmax(scaled, dim=-1)
+
+
+def sampling_uniforms(seeds: Sequence[int], steps: int) -> torch.Tensor:
+    """``[rows, steps]`` float64 uniforms in [0, 1): row ``i``'s ``k``-th is the ``k``-th double drawn by a torch
+    generator seeded ``seeds[i]``, so the token a row samples at step ``k`` (``inverse_cdf_sample``) is a function of
+    its seed, its step and its distribution alone -- not of the batch it shares, nor of the call's budget."""
+    out = torch.empty((len(seeds), steps), dtype=torch.float64)
+    for row, seed in enumerate(seeds):
+        torch.rand(steps, generator=torch.Generator().manual_seed(seed), dtype=torch.float64, out=out[row])
+    return out
+
+
+_CDF_BLOCK = 64
+"""Tokens per block of ``inverse_cdf_sample``'s two-level CDF."""
+
+
+def inverse_cdf_sample(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``logprobs`` (``[rows, vocab]``, ``-inf`` = excluded), drawn by inverting the row's CDF
+    at ``uniforms`` (``[rows]``, in [0, 1)): the first token whose cumulative probability exceeds ``u`` times the
+    row's total. Token ``t`` is drawn with probability ``p_t / sum(p)`` (float64 sums), never one of probability 0.
+
+    The CDF is two-level -- float64 sums of blocks of ``_CDF_BLOCK`` tokens, then the cumulative sum inside the
+    chosen block only -- because a float64 cumulative sum over the whole vocabulary is a serial scan that costs
+    more than the rest of the sampling step."""
+    probs = logprobs.exp()
+    rows, vocab = probs.shape
+    if vocab % _CDF_BLOCK:
+        probs = torch.nn.functional.pad(probs, (0, -vocab % _CDF_BLOCK))
+    blocks = probs.view(rows, -1, _CDF_BLOCK)
+    outer = blocks.sum(-1, dtype=torch.float64).cumsum(-1)
+    target = uniforms[:, None].to(torch.float64) * outer[:, -1:]
+    block = _first_above(outer, target)
+    before = torch.where(block > 0, outer.gather(-1, (block - 1).clamp(min=0)), 0.0)
+    inner = blocks[torch.arange(rows, device=probs.device), block[:, 0]].cumsum(-1, dtype=torch.float64)
+    return (block * _CDF_BLOCK + _first_above(inner, target - before))[:, 0]
+
+
+def _first_above(cdf: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index where ``cdf`` exceeds ``values`` (``[rows, 1]``); where none does (``values``
+    rounded up to the row's total), the first index that reaches the total: the last one of non-zero mass."""
+    above = torch.searchsorted(cdf, values.contiguous(), right=True)
+    return torch.minimum(above, torch.searchsorted(cdf, cdf[:, -1:].contiguous()))
+
+
+def stop_string_candidates(tokenizer: Any, vocab: int, stop_strings: Sequence[str]) -> frozenset[int]:
+    """The token ids (below ``vocab``) after which a row's decoded text may newly contain one of ``stop_strings``.
+
+    A stop string first appears when the newest token writes its last character, so a token can complete ``s``
+    only if its text contains ``s[-1]`` -- decoded alone, or after another token (tokenizers that drop the
+    leading space of a text's first token) -- or holds a replacement character (a piece of a multi-byte
+    character). Ids past the tokenizer's vocabulary are candidates, and every id is when a stop string is empty
+    or ends in the replacement character.
+    """
+    lasts = {s[-1] if s else "" for s in stop_strings}
+    if lasts & {"", "\ufffd"}:
+        return frozenset(range(vocab))
+    known = min(vocab, len(tokenizer))
+    alone = tokenizer.batch_decode([[t] for t in range(known)], skip_special_tokens=False)
+    anchor = tokenizer.encode("a", add_special_tokens=False)[:1]
+    head = tokenizer.decode(anchor, skip_special_tokens=False)
+    after = tokenizer.batch_decode([[*anchor, t] for t in range(known)], skip_special_tokens=False)
+    after = [text[len(head) :] if text.startswith(head) else text for text in after]
+    ids = {t for t in range(known) if any(c in alone[t] or c in after[t] for c in (*lasts, "\ufffd"))}
+    return frozenset(ids | set(range(known, vocab)))
+
+
+class HFForwardDecoder:
+    """Prefill and decode steps through the model's own forward and a transformers ``DynamicCache``: any causal
+    LM. Prompts are left-padded with explicit position ids ``cumsum(attention_mask) - 1`` (docs/platform.md §2).
+    The interface of ``StaticCacheDecoder`` (``prefill``, ``step``, ``keep``)."""
+
+    def __init__(self, model: Any, pad_token_id: int, device: torch.device) -> None:
+        from transformers import DynamicCache
+
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.device = device
+        self.cache = DynamicCache()
+
+    def prefill(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> torch.Tensor:
+        """Run ``prompts``; return the logits after each, ``[rows, vocab]``."""
+        n = len(prompts)
+        width = max(len(p) for p in prompts)
+        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.as_tensor(list(prompt), dtype=torch.long)
+            mask[row, width - len(prompt) :] = 1
+        self.mask = mask.to(self.device)
+        positions = position_ids_from_mask(self.mask)
+        self.last_pos = positions[:, -1]
+        return self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=self.mask,
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append ``tokens`` (one per row); return the logits after them."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)
+        self.last_pos = self.last_pos + 1
+        return self.model(
+            input_ids=tokens[:, None],
+            attention_mask=self.mask,
+            position_ids=self.last_pos[:, None],
+            past_key_values=self.cache,
+            use_cache=True,
+        ).logits[:, -1]
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (indices into the current rows, in the order given)."""
+        self.cache.batch_select_indices(rows)
+        self.mask, self.last_pos = self.mask[rows], self.last_pos[rows]
 
 
 def load_weights(model: Any, directory: str | os.PathLike[str]) -> None:
@@ -185,6 +314,7 @@ class HFBackend:
         self._loaded: list[str] = []  # adapter names this backend loaded (the only ones it deletes)
         self._loads = 0  # adapters loaded so far (each gets a fresh peft adapter name)
         self._closed = False
+        self._string_ends: dict[tuple[int, tuple[str, ...]], frozenset[int]] = {}
         self.pad_token_id = int(
             self.tokenizer.pad_token_id
             if self.tokenizer.pad_token_id is not None
@@ -343,6 +473,17 @@ class HFBackend:
                 )
             return out
 
+    def _decoder(self) -> StaticCacheDecoder | HFForwardDecoder:
+        """The decoder of a batch (built under ``_serving``, whose adapter state the static decoder reads)."""
+        if self.config.decode == "hf":
+            return HFForwardDecoder(self._model, self.pad_token_id, self.device)
+        try:
+            return StaticCacheDecoder(self._model)
+        except ValueError:
+            if self.config.decode == "static":
+                raise
+            return HFForwardDecoder(self._model, self.pad_token_id, self.device)
+
     def _generate_chunk(
         self,
         prompts: Sequence[Sequence[int]],
@@ -350,126 +491,131 @@ class HFBackend:
         params: SamplingParams,
         choices: Sequence[list[list[int]] | None],
     ) -> list[Generation]:
-        from transformers import DynamicCache
-
         n = len(prompts)
-        width = max(len(p) for p in prompts)
-        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt) :] = torch.as_tensor(list(prompt), dtype=torch.long)
-            mask[row, width - len(prompt) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = position_ids_from_mask(mask)
         budgets = [min(params.max_new_tokens, self.max_positions - len(p)) for p in prompts]
-        generators = [torch.Generator(device=self.device).manual_seed(s) for s in seeds]
+        steps = max(budgets)
+        uniforms = None if params.greedy else sampling_uniforms(seeds, steps).to(self.device)
         stop_ids = self.eos_token_ids | set(params.stop_token_ids)
         stop_tail = max((len(s.encode()) for s in params.stop_strings), default=0) + 1
-
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        logprobs: list[list[float]] = [[] for _ in range(n)]
-        results: list[Generation | None] = [None] * n
-        active = list(range(n))  # original row of each row still in the batch
-        cache = DynamicCache()
+        tokens = torch.zeros((n, steps), dtype=torch.long, device=self.device)
+        logprobs = torch.zeros((n, steps), dtype=torch.float32, device=self.device)
+        ends: list[tuple[FinishReason, Any] | None] = [
+            None
+        ] * n  # why and after how many tokens each row ended
+        lengths = [0] * n
+        prefixes: dict[int, list[int]] = {
+            row: [] for row in range(n) if choices[row] is not None
+        }  # constrained rows' tokens
+        rows = list(range(n))  # original row of each row in the batch (finished rows stay until compacted)
+        index = torch.arange(n, device=self.device)
+        budget = torch.as_tensor(budgets, device=self.device)
+        live = n
         with self._serving():
-            logits = self._model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            ).logits[:, -1]
-            last_pos = positions[:, -1]
-            while True:
-                if any(choices[r] is not None for r in active):
-                    logits = self._constrain(
-                        logits, [choices[r] for r in active], [tokens[r] for r in active]
-                    )
+            decoder = self._decoder()
+            logits = decoder.prefill(prompts, steps)
+            table, string_ends = self._stop_table(logits.shape[-1], stop_ids, params.stop_strings)
+            for step in range(steps):
+                constrained = [(j, r) for j, r in enumerate(rows) if r in prefixes and ends[r] is None]
+                if constrained:
+                    logits = self._constrain(logits, [(j, choices[r], prefixes[r]) for j, r in constrained])
                 lp = sampling_logprobs(logits, params)
-                if params.greedy:
+                if uniforms is None:
                     chosen = lp.argmax(-1)
                 else:
-                    noise = torch.stack(
-                        [
-                            torch.empty(lp.shape[-1], device=lp.device).exponential_(generator=generators[r])
-                            for r in active
-                        ]
-                    )
-                    chosen = (lp.exp() / noise).argmax(-1)
-                chosen_lp = lp.gather(-1, chosen[:, None]).squeeze(-1)
-                keep: list[int] = []
-                for j, row in enumerate(active):
+                    chosen = inverse_cdf_sample(lp, uniforms[index, step])
+                tokens[index, step] = chosen
+                logprobs[index, step] = lp.gather(-1, chosen[:, None]).squeeze(-1)
+                # Only rows whose token may end them are looked at in Python: a stop id, a token that may
+                # complete a stop string, the budget reached, or a constrained row.
+                flagged = torch.nonzero(table[chosen] | (budget[index] <= step + 1)).flatten().tolist()
+                looked_at = sorted(set(flagged).union(j for j, _ in constrained))
+                for j in looked_at:
+                    row = rows[j]
+                    if ends[row] is not None:
+                        continue
                     token = int(chosen[j])
-                    tokens[row].append(token)
-                    logprobs[row].append(float(chosen_lp[j]))
-                    reason, what = self._finished(
-                        tokens[row], token, stop_ids, params, stop_tail, budgets[row]
-                    )
-                    if reason != "stop" and choices[row] is not None:
-                        if not allowed_next_tokens(choices[row], tokens[row]):  # a whole choice, no stop id
-                            reason, what = "stop", "choice"
-                    if reason is None:
-                        keep.append(j)
-                    else:
-                        results[row] = Generation(
-                            token_ids=tokens[row],
-                            logprobs=logprobs[row],
-                            finish_reason=reason,
-                            adapter_version=self._version,
-                            extra={"stop": what} if what is not None else {},
-                        )
-                if not keep:
+                    end: tuple[FinishReason, Any] | None = None
+                    if token in stop_ids:
+                        end = ("stop", token)
+                    elif token in string_ends:
+                        tail = tokens[row, max(0, step + 1 - stop_tail) : step + 1].tolist()
+                        end = self._stop_string(tail, params.stop_strings)
+                    if end is None and step + 1 >= budgets[row]:
+                        end = ("length", None)
+                    if row in prefixes:
+                        prefixes[row].append(token)
+                        if (end is None or end[0] != "stop") and not allowed_next_tokens(
+                            choices[row], prefixes[row]
+                        ):
+                            end = ("stop", "choice")  # a whole choice, no stop id
+                    if end is not None:
+                        ends[row], lengths[row] = end, step + 1
+                        live -= 1
+                if live == 0:
                     break
-                if len(keep) < len(active):
-                    index = torch.as_tensor(keep, device=self.device)
-                    cache.batch_select_indices(index)
-                    mask, last_pos, chosen = mask[index], last_pos[index], chosen[index]
-                    active = [active[j] for j in keep]
-                mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
-                last_pos = last_pos + 1
-                logits = self._model(
-                    input_ids=chosen[:, None],
-                    attention_mask=mask,
-                    position_ids=last_pos[:, None],
-                    past_key_values=cache,
-                    use_cache=True,
-                ).logits[:, -1]
-        return [r for r in results if r is not None]
+                if 4 * (len(rows) - live) >= len(
+                    rows
+                ):  # drop finished rows once they are a quarter of the batch
+                    keep = [j for j, r in enumerate(rows) if ends[r] is None]
+                    kept = torch.as_tensor(keep, device=self.device)
+                    decoder.keep(kept)
+                    rows = [rows[j] for j in keep]
+                    index, chosen = index[kept], chosen[kept]
+                logits = decoder.step(chosen)
+        ids, lps = tokens.tolist(), logprobs.tolist()
+        out = []
+        for row, end in enumerate(ends):
+            assert end is not None
+            reason, what = end
+            out.append(
+                Generation(
+                    token_ids=ids[row][: lengths[row]],
+                    logprobs=lps[row][: lengths[row]],
+                    finish_reason=reason,
+                    adapter_version=self._version,
+                    extra={"stop": what} if what is not None else {},
+                )
+            )
+        return out
 
     @staticmethod
     def _constrain(
-        logits: torch.Tensor, choices: Sequence[list[list[int]] | None], generated: Sequence[list[int]]
+        logits: torch.Tensor, rows: Sequence[tuple[int, list[list[int]] | None, list[int]]]
     ) -> torch.Tensor:
-        """``logits`` with ``-inf`` outside each constrained row's ``allowed_next_tokens``, so that sampling,
-        greedy and the reported log-probs all follow the renormalized distribution. A row has always at least
-        one allowed token here: a generation stops as soon as its prefix is a whole choice (``_finished``)."""
+        """``logits`` with ``-inf`` outside each constrained row's ``allowed_next_tokens`` (``rows``: batch
+        position, choices, tokens so far), so that sampling, greedy and the reported log-probs all follow the
+        renormalized distribution. A row has always at least one allowed token here: a generation stops as soon
+        as its prefix is a whole choice."""
         allow = torch.ones_like(logits, dtype=torch.bool)
-        for j, (options, prefix) in enumerate(zip(choices, generated, strict=True)):
+        for j, options, prefix in rows:
             if options is not None:
                 allow[j] = False
                 allow[j, allowed_next_tokens(options, prefix)] = True
         return logits.masked_fill(~allow, float("-inf"))
 
-    def _finished(
-        self,
-        generated: list[int],
-        token: int,
-        stop_ids: set[int] | frozenset[int],
-        params: SamplingParams,
-        stop_tail: int,
-        budget: int,
-    ) -> tuple[FinishReason | None, Any]:
-        if token in stop_ids:
-            return "stop", token
-        if params.stop_strings:
-            tail = self.tokenizer.decode(generated[-stop_tail:], skip_special_tokens=False)
-            for s in params.stop_strings:
-                if s in tail:
-                    return "stop", s
-        if len(generated) >= budget:
-            return "length", None
-        return None, None
+    def _stop_string(self, tail: list[int], stop_strings: Sequence[str]) -> tuple[FinishReason, str] | None:
+        """``("stop", s)`` for the first of ``stop_strings`` in the decoded ``tail`` (a row's last tokens)."""
+        text = self.tokenizer.decode(tail, skip_special_tokens=False)
+        for s in stop_strings:
+            if s in text:
+                return "stop", s
+        return None
+
+    def _stop_table(
+        self, vocab: int, stop_ids: set[int] | frozenset[int], stop_strings: Sequence[str]
+    ) -> tuple[torch.Tensor, frozenset[int]]:
+        """A bool per token id, true for the stop ids and the tokens that may complete one of ``stop_strings``
+        (``stop_string_candidates``), and the set of the latter: the decode loop looks at a row in Python only
+        after such a token (or at its budget, or when it is constrained)."""
+        ends: frozenset[int] = frozenset()
+        if stop_strings:
+            key = (vocab, tuple(stop_strings))
+            if key not in self._string_ends:
+                self._string_ends[key] = stop_string_candidates(self.tokenizer, vocab, stop_strings)
+            ends = self._string_ends[key]
+        table = torch.zeros(vocab, dtype=torch.bool)
+        table[[t for t in (*stop_ids, *ends) if 0 <= t < vocab]] = True
+        return table.to(self.device), ends
 
     def close(self) -> None:
         """Drop the model (frees its memory once no one else holds a reference); idempotent. Later calls

@@ -1,14 +1,23 @@
-"""HF backend on the real tiny model: sampling log-probs vs scoring, seeds, stops, greedy oracle, LoRA."""
+"""HF backend on the real tiny model: sampling log-probs vs scoring and the learner, seeds, stops, greedy oracle,
+LoRA, the static-cache decoder against the transformers forward."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from streamrl.agents.base import GenerationBackend, SamplingParams
-from streamrl.agents.hf_backend import HFBackend, sampling_logprobs
+from streamrl.agents.hf_backend import (
+    HFBackend,
+    HFBackendConfig,
+    inverse_cdf_sample,
+    sampling_logprobs,
+    sampling_uniforms,
+    stop_string_candidates,
+)
 from streamrl.agents.logprobs import token_logprobs
 from streamrl.agents.lora import LoRAConfig, reference_logprobs, save_adapter, wrap_lora
 from streamrl.agents.models import load_model, resolve_model
@@ -280,3 +289,189 @@ def test_a_closed_backend_says_so(tmp_path: Path) -> None:
     ):
         with pytest.raises(RuntimeError, match="HFBackend is closed"):
             call()
+
+
+# -- the static-cache decoder against the transformers forward; batched sampling; stops ----------------------
+
+
+def _mixed_prompts(backend: HFBackend, rows: int = 6) -> list[list[int]]:
+    """``rows`` distinct prompts of 5 to 60 tokens (both paddings matter)."""
+    stream = backend.tokenizer("You arrive at fridge 1. The fridge 1 is closed. What is 12 * 7? " * 12)[
+        "input_ids"
+    ]
+    return [stream[3 * r : 3 * r + 5 + (r * 11) % 56] for r in range(rows)]
+
+
+def _both_paths(model: object = "tiny", tokenizer: object = None) -> tuple[HFBackend, HFBackend]:
+    static = HFBackend(model, tokenizer=tokenizer, config=HFBackendConfig(decode="static"))
+    reference = HFBackend(model, tokenizer=tokenizer, config=HFBackendConfig(decode="hf"))
+    return static, reference
+
+
+def _same_generations(a: list, b: list, atol: float = 1e-5) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x.token_ids == y.token_ids
+        assert (x.finish_reason, x.extra) == (y.finish_reason, y.extra)
+        assert _maxdiff(x.logprobs, y.logprobs) < atol
+
+
+def test_static_cache_decoder_generates_what_the_transformers_forward_does() -> None:
+    """Greedy and sampled ids, finish reasons and log-probs of the static-cache path equal those of the model's own
+    forward (the reference path): rows of different lengths, EOS and stop strings ending rows at different steps
+    (finished rows leave the batch), more new tokens than the cache's first room (it grows), constrained rows."""
+    static, reference = _both_paths()
+    prompts = _mixed_prompts(static)
+    for free_params in (
+        SamplingParams(max_new_tokens=100, temperature=0.0),
+        SamplingParams(max_new_tokens=100, seed=3),
+    ):
+        free = static.generate(prompts, free_params)
+        _same_generations(free, reference.generate(prompts, free_params))
+        # stop on tokens rows 0 and 3 write early: rows end at different steps, others run on
+        params = replace(free_params, stop_token_ids=(free[0].token_ids[4], free[3].token_ids[30]))
+        gens = static.generate(prompts, params)
+        _same_generations(gens, reference.generate(prompts, params))
+        assert len({len(g.token_ids) for g in gens}) > 2
+    params = SamplingParams(
+        max_new_tokens=40, seed=5, temperature=0.7, top_k=50, top_p=0.9, stop_strings=("e ", "\n")
+    )
+    gens = static.generate(prompts, params)
+    _same_generations(gens, reference.generate(prompts, params))
+    assert any(g.extra.get("stop") in ("e ", "\n") for g in gens)
+    tok = static.tokenizer
+    options = [
+        tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in ("go to desk 1", "look")
+    ]
+    choices = [options, None, options, None, None, options]
+    params = SamplingParams(max_new_tokens=30, seed=11)
+    gens = static.generate(prompts, params, choices=choices)
+    _same_generations(gens, reference.generate(prompts, params, choices=choices))
+    assert all(gens[r].token_ids in options for r in (0, 2, 5))
+
+
+def test_static_cache_decoder_serves_lora_adapters_as_peft_does(tmp_path: Path) -> None:
+    policy = _tuned_lora(seed=3)
+    tokenizer = HFBackend("tiny").tokenizer
+    static, reference = _both_paths(policy, tokenizer)
+    prompts = _mixed_prompts(static, rows=4)
+    greedy = SamplingParams(max_new_tokens=24, temperature=0.0)
+    adapted = static.generate(prompts, greedy)
+    _same_generations(adapted, reference.generate(prompts, greedy))
+    for backend in (static, reference):
+        backend.set_adapter(None, 1)  # base weights: the adapter disabled
+    base = static.generate(prompts, greedy)
+    _same_generations(base, reference.generate(prompts, greedy))
+    assert [g.token_ids for g in base] != [g.token_ids for g in adapted]  # the adapter was served, then not
+    other = save_adapter(_tuned_lora(seed=4), tmp_path / "other")
+    for backend in (static, reference):
+        backend.set_adapter(other, 2)  # a published adapter loaded next to the caller's
+    _same_generations(static.generate(prompts, greedy), reference.generate(prompts, greedy))
+
+
+def test_a_model_the_static_decoder_cannot_run_falls_back_or_is_refused() -> None:
+    from transformers import AutoModelForCausalLM
+
+    eager = AutoModelForCausalLM.from_pretrained(
+        str(resolve_model("tiny")), attn_implementation="eager"
+    ).eval()
+    tokenizer = HFBackend("tiny").tokenizer
+    prompt = _mixed_prompts(HFBackend("tiny"), rows=1)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    with pytest.raises(ValueError, match="attention implementation 'eager'; supported: 'sdpa'"):
+        HFBackend(eager, tokenizer=tokenizer, config=HFBackendConfig(decode="static")).generate(
+            prompt, params
+        )
+    fallback = HFBackend(eager, tokenizer=tokenizer).generate(prompt, params)[0]  # decode="auto"
+    ref = eager.generate(torch.tensor(prompt), max_new_tokens=6, do_sample=False, pad_token_id=0)[
+        0, len(prompt[0]) :
+    ]
+    assert fallback.token_ids == ref.tolist()[: len(fallback.token_ids)]
+    with pytest.raises(ValueError, match="decode must be 'auto', 'static' or 'hf'"):
+        HFBackendConfig(decode="fast")  # type: ignore[arg-type]
+
+
+def test_a_rows_sample_is_a_function_of_its_own_seed(backend: HFBackend) -> None:
+    """Same seed, any batch position or company, any budget: the same tokens; another seed: other tokens."""
+    prompts = _mixed_prompts(backend)
+    params = SamplingParams(max_new_tokens=16)
+    seeds = [101, 102, 103, 104, 105, 106]
+    together = backend.generate(prompts, params, seeds=seeds)
+    reordered = backend.generate(prompts[::-1], params, seeds=seeds[::-1])[::-1]
+    alone = [backend.generate([p], params, seeds=[s])[0] for p, s in zip(prompts, seeds, strict=True)]
+    duplicated = backend.generate([prompts[4]] * 3, params, seeds=[105, 7, 105])
+    shorter = backend.generate(prompts, SamplingParams(max_new_tokens=8), seeds=seeds)
+    for r, gen in enumerate(together):
+        assert reordered[r].token_ids == alone[r].token_ids == gen.token_ids
+        assert shorter[r].token_ids == gen.token_ids[: len(shorter[r].token_ids)]
+    assert duplicated[0].token_ids == duplicated[2].token_ids == together[4].token_ids
+    assert duplicated[1].token_ids != duplicated[0].token_ids
+    reseeded = backend.generate(prompts, params, seeds=[s + 1000 for s in seeds])
+    assert sum(a.token_ids != b.token_ids for a, b in zip(together, reseeded, strict=True)) >= 5
+
+
+def test_sampled_logprobs_are_what_the_learner_recomputes(backend: HFBackend) -> None:
+    from streamrl.agents.batch import collate
+    from streamrl.agents.logprobs import selected_token_logprobs
+    from streamrl.agents.trajectory import TokenSequence
+
+    prompts = _mixed_prompts(backend)
+    gens = backend.generate(prompts, SamplingParams(max_new_tokens=48, seed=9))
+    sequences = []
+    for prompt, gen in zip(prompts, gens, strict=True):
+        seq = TokenSequence()
+        seq.extend_context(list(prompt))
+        seq.extend_action(gen.token_ids, gen.logprobs, 0)
+        sequences.append(seq)
+    batch = collate(sequences, backend.pad_token_id)
+    with torch.no_grad():
+        learner = selected_token_logprobs(
+            backend.model, batch.input_ids, batch.attention_mask, batch.action_mask
+        )
+    rollout = torch.tensor([lp for g in gens for lp in g.logprobs])
+    assert learner.shape == rollout.shape
+    assert (learner - rollout).abs().max() < 1e-5
+
+
+def test_inverse_cdf_sample_draws_exactly_the_distribution() -> None:
+    """With N stratified uniforms ``(k + 0.5) / N`` inverting the CDF gives every token ``N p_t`` draws to within
+    one (an exact oracle, no statistics); tokens of probability 0 are never drawn, whatever the uniform."""
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (5, 64, 150, 4096):  # a vocabulary that is and is not a multiple of the CDF's block
+        logits = torch.randn(2, vocab, generator=gen) * 3
+        logits[:, ::7] = float("-inf")
+        lp = torch.log_softmax(logits, -1)
+        n = 20000
+        u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+        for row in lp:
+            drawn = inverse_cdf_sample(row.expand(n, vocab).contiguous(), u)
+            counts = torch.bincount(drawn, minlength=vocab).double()
+            expected = row.double().exp() / row.double().exp().sum() * n
+            assert (counts - expected).abs().max() <= 1.0 + 1e-9
+        extremes = inverse_cdf_sample(lp, torch.tensor([0.0, 1.0 - 2.0**-53], dtype=torch.float64))
+        assert torch.isfinite(lp[torch.arange(2), extremes]).all()
+    uniforms = sampling_uniforms([5, 6, 5], 10)
+    assert torch.equal(uniforms[0], uniforms[2]) and not torch.equal(uniforms[0], uniforms[1])
+    assert torch.equal(sampling_uniforms([5], 4)[0], uniforms[0, :4])
+
+
+def test_stop_string_candidates_contain_every_token_that_completes_a_stop(backend: HFBackend) -> None:
+    """Brute force on random token sequences: whenever a stop string first appears in the decoded tail, the token
+    just written is a candidate; and the candidates are few enough to be worth it."""
+    tok = backend.tokenizer
+    stops = ("\n", "```output", "e ", " is", "é")
+    vocab = backend.model.get_output_embeddings().weight.shape[0]
+    candidates = stop_string_candidates(tok, vocab, stops)
+    gen = torch.Generator().manual_seed(0)
+    words = tok("x = 1\n```output\nthe cafe is open é è\n", add_special_tokens=False)["input_ids"]
+    pool = torch.tensor(words * 20 + list(range(vocab)))
+    completions = 0
+    for _ in range(300):
+        seq = pool[torch.randint(0, len(pool), (24,), generator=gen)].tolist()
+        for j in range(1, len(seq) + 1):
+            now, before = tok.decode(seq[:j]), tok.decode(seq[: j - 1])
+            if any(s in now and s not in before for s in stops):
+                completions += 1
+                assert seq[j - 1] in candidates, (seq[:j], now)
+                break
+    assert completions > 50
+    assert len(stop_string_candidates(tok, vocab, ("\n",))) < vocab / 4
