@@ -7,31 +7,36 @@ snippet in a fresh, resource-limited process too, behind SandboxFusion).
 
 Each zygote is *spawned* (``subprocess.Popen`` of a new interpreter with ``-I`` and a scrubbed
 environment), never forked from the caller, so a process that holds torch, CUDA or threads is never
-forked. Per call, the zygote forks a child that, before running the code:
+forked. What the code may do depends on :attr:`SandboxConfig.isolation`; the default, ``"namespaces"``,
+gives every user -- root or not -- the same confinement:
 
-* becomes PID 1 of a new PID namespace (root only): when it exits or is killed, the kernel kills every
-  process it started, even ones that called ``setsid`` -- fork bombs and daemons cannot outlive the call.
-  Without the privilege the child leads its own session and process group, which ``killpg`` clears, and
-  the zygote (a child subreaper) kills whatever was re-parented to it;
-* enters a new network namespace (only a down loopback is left), via ``unshare(CLONE_NEWNET)`` as root or
-  ``unshare(CLONE_NEWUSER | CLONE_NEWNET)`` where unprivileged user namespaces are enabled; where neither
-  is permitted the call runs with the host network and :attr:`SandboxPool.isolation` says so;
-* as root, gets a mount namespace where every filesystem is read-only and ``/tmp`` (its work directory),
-  ``/var/tmp`` and ``/dev/shm`` are fresh, empty, size-limited tmpfs mounts that vanish with the call;
-  otherwise it works in a private temporary directory that is removed after the call;
-* has stdin from ``/dev/null``, no inherited file descriptors, and an environment holding only ``PATH``,
-  ``HOME``, ``TMPDIR`` and ``LANG`` (the zygote itself is spawned with a scrubbed environment);
-* sets rlimits on CPU time, address space, open files, file size, process count and core dumps;
-* as root, drops to an unprivileged uid/gid (``nobody`` by default), because ``RLIMIT_NPROC`` is not
-  enforced for root and the zygote and its parent must not be signalable or writable by the code
-  (directories on the way to the interpreter that ``nobody`` cannot traverse, such as a pyenv Python
-  under a ``0700`` ``/root``, are exposed read-only through bind mounts, and nothing else of them);
-* sets ``PR_SET_NO_NEW_PRIVS`` so no set-uid binary can regain privileges.
+* the zygote enters, once, a user namespace (unless it is root: an ordinary user maps only its own uid and
+  gid), a mount namespace and a network namespace, and ``pivot_root``s into a tmpfs that holds read-only
+  bind mounts of ``/usr``, ``/etc``, a few device nodes and the interpreter's own trees -- nothing else:
+  no ``/home``, no ``$HOME``, no ``/root``, ``/mnt``, ``/srv``, ``/var``, ``/run``, ``/sys`` or project
+  checkout exists for the code. The network namespace holds only a down loopback: no network, not even a
+  service on 127.0.0.1;
+* the zygote itself is PID 1 of a new PID namespace; per call it forks a child into a further PID
+  namespace of its own. The child mounts a fresh, empty, size-limited tmpfs on ``/tmp`` (its work
+  directory; ``/var/tmp`` and ``/dev/shm`` lead there) and a ``/proc`` that lists only its own processes,
+  in a mount namespace that vanishes with it. When the child ends, the kernel kills everything it started,
+  even processes that called ``setsid``;
+* the child has stdin from ``/dev/null``, no inherited file descriptors, and an environment holding only
+  ``PATH``, ``HOME``, ``TMPDIR`` and ``LANG``; it sets rlimits on CPU time, address space, open files, file
+  size, process count and core dumps;
+* as root, the child switches to an unprivileged uid/gid (``nobody`` by default), which also drops every
+  capability; ``RLIMIT_NPROC`` (not enforced for root) then bounds a fork bomb. In a user namespace the child
+  keeps the caller's uid, drops the capabilities it held over the zygote's namespaces (``capset``), and sees
+  no process of that user to signal or trace; ``RLIMIT_NPROC`` counts that uid's processes in the zygote's
+  user namespace, so a fork bomb stops at the limit and dies with the call's PID namespace;
+* ``PR_SET_NO_NEW_PRIVS`` is set, so no set-uid binary can regain privileges.
 
-Not root (e.g. a laptop account): no PID or mount namespace and no uid switch, so the code runs as the
-caller's user, can write that user's files and signal its processes; RLIMIT_NPROC then counts all of the
-user's processes. Run the toolkit as root in a container (as here) for the full isolation; ``isolation``
-says what a pool got.
+Where the kernel does not allow these namespaces (unprivileged user namespaces disabled, a container
+without them), creating a pool fails with :class:`SandboxUnavailableError`, which names the cause and the
+choices; nothing downgrades silently. ``isolation="rlimits"`` must be chosen by name (and is logged once per
+process): the child then gets only rlimits, the timeout, the scrubbed environment, a private work directory
+and, as root, the uid switch -- it can read and write whatever that uid can, and as an ordinary user signal
+that user's processes. :attr:`SandboxPool.isolation` reports what a pool got.
 
 The zygote enforces a wall-clock timeout (SIGKILL of the child and its group) and keeps the head and the
 tail of the output. A zygote that dies is replaced transparently; :meth:`SandboxPool.close` (also run at
@@ -367,8 +372,8 @@ class _Zygote:
 
     def _build_root(self) -> None:
         """Make a tmpfs holding bind mounts of ``/usr``, ``/etc`` (and the ``/bin``, ``/lib*`` links), a few
-        device nodes, ``/proc`` and the interpreter's own trees (``sys.prefix``, ``sys.base_prefix``,
-        ``sys.path``) at their usual paths; make all of it read-only and ``pivot_root`` into it.
+        device nodes, ``/proc`` and the interpreter's own trees (``sys.prefix``, ``sys.base_prefix``, the
+        site-packages folders on ``sys.path``) at their usual paths; make all of it read-only and ``pivot_root`` into it.
 
         Everything else -- ``/home``, ``/root``, the caller's ``$HOME``, ``/mnt``, ``/media``, ``/srv``,
         ``/opt``, ``/var``, ``/run``, ``/sys``, project checkouts -- does not exist for the code. ``/tmp``
@@ -382,8 +387,11 @@ class _Zygote:
             if os.path.lexists(p)
         ]
         links = {p: os.readlink(p) for p in system if os.path.islink(p)}
+        # The interpreter's installation and its package folders; not other sys.path entries (a source
+        # checkout put there by an editable install holds the user's data, and the code needs none of it).
+        entries = [p for p in sys.path if p and os.path.basename(p) in ("site-packages", "dist-packages")]
         trees = sorted(
-            {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, *sys.path) if p and os.path.isdir(p)}
+            {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, *entries) if os.path.isdir(p)}
         )
         outermost = [p for p in trees if not any(p != q and p.startswith(q + os.sep) for q in trees)]
         covered = [p for p in system if p not in links]
@@ -846,6 +854,9 @@ def _zygote_main() -> None:
         zygote = _Zygote(config, req_fd, resp_fd, scratch)
     except _SetupError as e:
         _send(resp_fd, {"error": str(e), "cause": e.cause})
+        return
+    except OSError as e:  # a step of the setup that is not a kernel refusal (a folder, a file)
+        _send(resp_fd, {"error": repr(e), "cause": "setting up the sandbox's private root failed"})
         return
     for name in config.preload:
         __import__(name)
