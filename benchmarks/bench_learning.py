@@ -47,7 +47,7 @@ def _read(out: Path) -> dict[str, object]:
         "before": evals[0][1],
         "after": evals[-1][1],
         "after_mean_last2": sum(e for _, e in evals[-2:]) / len(evals[-2:]),
-        # the last evaluation's paired difference to the first (same episodes) and its 95 % half-width
+        # the last evaluation's paired difference to the first (same episodes), its 95 % half-width clustered by task
         "paired_delta": next((r.get("eval/delta") for r in reversed(rows) if "eval/delta" in r), None),
         "paired_ci95": next((r.get("eval/delta_ci95") for r in reversed(rows) if "eval/delta" in r), None),
         "elapsed_s": last.get("time/elapsed_s"),

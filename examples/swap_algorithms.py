@@ -40,7 +40,8 @@ TINY_ENV: dict[str, dict[str, Any]] = {"alfworld": {"env_kwargs": {"max_steps": 
 
 
 def held_out(run_dir: Path) -> tuple[float, float, float, float]:
-    """(success before, success after, paired difference, its 95 % half-width) from the run's evaluations."""
+    """(success before, success after, paired difference, its 95 % half-width clustered by task) from the run's
+    evaluations."""
     evals = [r for r in read_metrics(run_dir) if "eval/success" in r]
     last = evals[-1]
     return evals[0]["eval/success"], last["eval/success"], last["eval/delta"], last["eval/delta_ci95"]
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     before, after, delta, half = held_out(Path(out))
     print(
         f"{a.algo} on {a.env}: held-out success {before:.3f} -> {after:.3f} "
-        f"(paired difference {delta:+.3f} +/- {half:.3f}, 95 %); run in {out}"
+        f"(paired difference {delta:+.3f} +/- {half:.3f}, 95 % clustered by task); run in {out}"
     )
     return {**summary, "before": before, "after": after, "delta": delta, "delta_ci95": half}
 
