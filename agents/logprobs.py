@@ -12,6 +12,8 @@ Log-probs are computed in fp32 whatever the model's dtype (bf16 log-softmax lose
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -37,13 +39,108 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
 
 
-def last_hidden_states(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The decoder's final hidden states ``[B, T, H]`` (no vocabulary projection); works through peft."""
-    return model.get_decoder()(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-    ).last_hidden_state
+SHARED_PREFIX_MIN_TOKENS = 64
+"""``last_hidden_states(share_prefix=True)`` computes a common prefix once when that saves at least this many
+token positions ((rows - 1) x prefix length): below it the second decoder call costs about what it saves."""
+
+
+def right_padded(attention_mask: torch.Tensor) -> bool:
+    """Whether every row's real tokens come first and its padding (if any) after them, as ``collate`` pads."""
+    lengths = attention_mask.sum(-1, keepdim=True)
+    positions = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
+    return bool((attention_mask.bool() == (positions < lengths)).all())
+
+
+def shared_prefix_length(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
+    """How many leading tokens all rows have in common, at most the shortest row's length - 1 (so that every
+    row keeps a token of its own)."""
+    shortest = int(attention_mask.sum(-1).min())
+    same = (input_ids[:, : shortest - 1] == input_ids[:1, : shortest - 1]).all(0)
+    return int(same.long().cumprod(0).sum())
+
+
+def last_hidden_states(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    share_prefix: bool = False,
+    used: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The decoder's final hidden states ``[B, T, H]`` (no vocabulary projection); works through peft.
+
+    Right-padded rows (``right_padded``) run without an attention mask: causal attention alone keeps a row's
+    real tokens from its padding, which only follows them, so the fused causal kernel runs (no mask to build
+    or apply); their positions ``0..T-1`` are ``cumsum(mask) - 1`` on the real tokens. The hidden states of
+    padding are then not those of the masked forward; they are never selected.
+
+    ``share_prefix`` (right-padded rows only): the leading tokens every row has in common
+    (``shared_prefix_length``, e.g. a system prompt) go through the decoder once, in one row, and the rest of
+    every row attends to that row's keys and values (a KV cache repeated over the rows); its hidden states are
+    repeated over the rows, so the output, and the gradient (the shared part's is the sum over rows), are
+    those of the plain forward up to float rounding. Only where it saves ``SHARED_PREFIX_MIN_TOKENS`` tokens.
+    Not for FSDP-sharded models: the extra decoder call is an extra collective that other ranks may not run.
+
+    ``used`` (bool ``[B, T]``): the positions whose hidden states the caller reads. A position's output of
+    the last layer feeds nothing but its own hidden state, so that layer's MLP (position-wise) runs only at
+    these positions; the hidden states elsewhere are then not the model's.
+    """
+    decoder = model.get_decoder()
+    last = getattr(decoder, "layers", None)
+    mlp = getattr(last[-1], "mlp", None) if isinstance(last, torch.nn.ModuleList) and len(last) else None
+    if not right_padded(attention_mask):
+        with _only_at(mlp, used):
+            return decoder(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids_from_mask(attention_mask),
+            ).last_hidden_state
+    rows, width = input_ids.shape
+    positions = torch.arange(width, device=input_ids.device).expand(rows, width)
+    shared = shared_prefix_length(input_ids, attention_mask) if share_prefix and rows > 1 else 0
+    if shared == 0 or (rows - 1) * shared < SHARED_PREFIX_MIN_TOKENS:
+        with _only_at(mlp, used):
+            return decoder(input_ids=input_ids, position_ids=positions).last_hidden_state
+    with _only_at(mlp, None if used is None else used[:, :shared].any(0, keepdim=True)):
+        prefix = decoder(
+            input_ids=input_ids[:1, :shared], position_ids=positions[:1, :shared], use_cache=True
+        )
+    cache = prefix.past_key_values
+    cache.batch_repeat_interleave(rows)
+    with _only_at(mlp, None if used is None else used[:, shared:]):
+        rest = decoder(
+            input_ids=input_ids[:, shared:],
+            position_ids=positions[:, shared:],
+            past_key_values=cache,
+            use_cache=True,
+        ).last_hidden_state
+    return torch.cat([prefix.last_hidden_state.expand(rows, -1, -1), rest], dim=1)
+
+
+@contextmanager
+def _only_at(module: torch.nn.Module | None, keep: torch.Tensor | None) -> Iterator[None]:
+    """Within the block, the position-wise ``module`` (called on ``[B, T, H]``) computes only the ``keep``
+    positions (bool ``[B, T]``, as one ``[1, n, H]`` row) and outputs zeros elsewhere."""
+    if module is None or keep is None:
+        yield
+        return
+    called: list[bool] = []
+
+    def gather(_: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        called.append(bool(args) and isinstance(args[0], torch.Tensor) and args[0].shape[:-1] == keep.shape)
+        return (args[0][keep][None], *args[1:]) if called[-1] else None
+
+    def scatter(_: torch.nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor | None:
+        if not called.pop():
+            return None
+        return out.new_zeros((*keep.shape, out.shape[-1])).masked_scatter(keep[..., None], out[0])
+
+    handles = [module.register_forward_pre_hook(gather), module.register_forward_hook(scatter)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def selected_token_logprobs(
@@ -55,6 +152,7 @@ def selected_token_logprobs(
     with_entropy: bool = False,
     temperature: float = 1.0,
     allowed: torch.Tensor | None = None,
+    share_prefix: bool = False,
 ) -> Any:
     """``token_logprobs(...)[select]`` without computing logits anywhere else, shape ``[select.sum()]``.
 
@@ -70,10 +168,13 @@ def selected_token_logprobs(
     at a position with allowed ids, the distribution renormalized over them (``log p(t) - logsumexp`` of their
     log-probs; the gradient flows through the normalizer too), and the entropy is that distribution's; a row
     of -1 leaves its position unconstrained.
+
+    ``share_prefix``: compute the rows' common prefix once (``last_hidden_states``).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to score a sampling policy, got {temperature}")
-    hidden = last_hidden_states(model, input_ids, attention_mask)
+    used = torch.nn.functional.pad(select, (0, 1))  # [B, T]: the hidden states that predict a selected token
+    hidden = last_hidden_states(model, input_ids, attention_mask, share_prefix=share_prefix, used=used)
     chosen = hidden[:, :-1][select]
     logits = model.get_output_embeddings()(chosen).float()
     if temperature != 1.0:
@@ -90,6 +191,7 @@ def selected_token_logprobs(
     selected = log_probs.gather(-1, targets[:, None]).squeeze(-1)
     if not with_entropy:
         return selected
-    with torch.no_grad():
-        entropy = -(log_probs.exp() * log_probs.masked_fill(torch.isinf(log_probs), 0.0)).sum(-1)
+    with torch.no_grad():  # 0 log 0 = 0 outside the allowed ids (log-probs of finite logits are finite)
+        finite = log_probs if allowed is None else log_probs.masked_fill(torch.isinf(log_probs), 0.0)
+        entropy = -(log_probs.exp() * finite).sum(-1)
     return selected, entropy

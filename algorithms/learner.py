@@ -6,13 +6,20 @@ What it does for an update (``Learner.update``):
    algorithm's advantages over the rows' action tokens.
 2. Recomputes the old log-probs -- the policy at the start of the update, the PPO ratio's denominator --
    with the same code, temperature and precision as the training forward (``streamrl.agents.logprobs``), so
-   the ratio is exactly 1 before the first step and the rollout importance weight pi_old / pi_rollout
-   measures only the trainer/inference mismatch and staleness.
+   the ratio is 1 before the first step and the rollout importance weight pi_old / pi_rollout measures only
+   the trainer/inference mismatch and staleness. The first step's forwards run at those weights, so its rows
+   take their old log-probs from their own training forward (detached; the ratio is exactly 1) and only the
+   later steps' rows are scored beforehand, without grad, in the micro-batches they will train in.
 3. For each of ``epochs`` x ``mini_batches`` optimizer steps: builds the step's loss aggregation once from
    the whole step's action mask (``Algorithm.aggregation``: batch-global token count, so micro-batch losses
    sum to the full-batch loss and SPO++'s zero-mean token measure holds across micro-batches), runs
-   length-sorted micro-batches of at most ``micro_batch_tokens`` padded tokens with gradient accumulation,
-   clips the gradient norm, steps AdamW and the warm-up + cosine schedule.
+   length-sorted micro-batches of at most ``micro_batch_tokens`` padded tokens (split further where a longer
+   row would pad the others by more than ``PASS_TOKENS``) with gradient accumulation, clips the gradient
+   norm, steps AdamW and the warm-up + cosine schedule.
+
+Every forward computes the micro-batch's common prefix (the system prompt) once and the logits only at action
+tokens, and skips the last layer's MLP elsewhere (``selected_token_logprobs(share_prefix=True)``): the same
+log-probs and gradients up to float rounding, for less arithmetic.
 
 Data-parallel ranks (``streamrl.algorithms.distributed``): ``shard_batch`` deals the batch to R ranks and each
 rank runs ``update_shard`` on its shard. The ranks gather every step's row lengths, so the loss aggregation
@@ -152,15 +159,28 @@ def training_rows(trajectories: Sequence[Trajectory]) -> list[TrainingRow]:
     ]
 
 
-def length_sorted_chunks(rows: Sequence[TrainingRow], max_tokens: int) -> list[list[int]]:
+PASS_TOKENS = 256
+"""What the learner counts one forward and backward pass as, in tokens, when it splits a micro-batch to save
+padding (``length_sorted_chunks(pass_tokens=)``)."""
+
+
+def length_sorted_chunks(
+    rows: Sequence[TrainingRow], max_tokens: int, pass_tokens: int = 0
+) -> list[list[int]]:
     """Row indices grouped by length: sorted (stable), chunked so rows x longest <= ``max_tokens`` padded
-    tokens per forward pass (a row longer than that is a chunk of its own)."""
+    tokens per forward pass (a row longer than that is a chunk of its own).
+
+    ``pass_tokens`` > 0 also starts a new chunk where the next (longer) row would pad the chunk's rows by more
+    tokens than that: a pass's fixed cost against the padding it saves, so one long row does not pad a chunk
+    of short ones to its length."""
     order = sorted(range(len(rows)), key=lambda i: len(rows[i].sequence))
     chunks: list[list[int]] = []
     for i in order:
         if chunks:
             width = len(rows[i].sequence)  # the longest so far: order is ascending
-            if (len(chunks[-1]) + 1) * width <= max_tokens:
+            rows_so_far = len(chunks[-1])
+            padding = rows_so_far * (width - len(rows[chunks[-1][-1]].sequence))
+            if (rows_so_far + 1) * width <= max_tokens and (pass_tokens <= 0 or padding <= pass_tokens):
                 chunks[-1].append(i)
                 continue
         chunks.append([i])
@@ -175,15 +195,16 @@ def score_rows(
     pad_token_id: int,
     max_tokens: int,
     device: torch.device,
+    pass_tokens: int = 0,
 ) -> list[torch.Tensor]:
     """Per row, the values ``score(batch)`` gives its action tokens (flat, fp32, on CPU), without grad.
 
-    ``score`` maps a collated micro-batch (length-sorted chunks of ``max_tokens`` padded tokens, on
+    ``score`` maps a collated micro-batch (``length_sorted_chunks(rows, max_tokens, pass_tokens)``, on
     ``device``) to one value per action token in ``batch.action_mask`` order: the learner's log-probs, a
     critic's values.
     """
     out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
-    for chunk in length_sorted_chunks(rows, max_tokens):
+    for chunk in length_sorted_chunks(rows, max_tokens, pass_tokens):
         batch = collate([rows[i].sequence for i in chunk], pad_token_id).to(device)
         flat = score(batch).float().cpu()
         for i, part in zip(chunk, flat.split(batch.lengths.tolist()), strict=True):
@@ -344,7 +365,7 @@ class Learner:
 
     # -- rows and micro-batches ----------------------------------------------------------------------------
     def _micro_batches(self, rows: Sequence[TrainingRow]) -> list[list[int]]:
-        return length_sorted_chunks(rows, self.config.micro_batch_tokens)
+        return length_sorted_chunks(rows, self.config.micro_batch_tokens, PASS_TOKENS)
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(self.model, *args, **kwargs)``; with FSDP through the root unit, whose forward hooks gather the
@@ -363,6 +384,7 @@ class Learner:
                 with_entropy=with_entropy,
                 temperature=self.temperature,
                 allowed=batch.allowed(),  # tokens sampled under a constraint: scored as they were sampled
+                share_prefix=not self.sharded,  # (FSDP: the ranks' forwards are collectives, one call each)
             )
 
     def _matching_forwards(self, forwards: int) -> int:
@@ -397,6 +419,7 @@ class Learner:
             pad_token_id=self.pad_token_id,
             max_tokens=self.config.micro_batch_tokens,
             device=self.device,
+            pass_tokens=PASS_TOKENS,  # the chunks of _micro_batches
         )
         self._filler_forwards(fillers, backward=False)
         return out
@@ -435,7 +458,6 @@ class Learner:
         if not rows and self.group is None:
             raise ValueError("the update batch has no action tokens")
         row_adv = self._spread(shard.episodes, shard.advantages, rows)
-        old = self._row_logprobs(rows)
         sums: dict[str, float] = {}
         weight = 0.0
         grad_norms: list[float] = []
@@ -444,6 +466,13 @@ class Learner:
             [i for i, row in enumerate(rows) if shard.mini_batch[row.episode] == m] for m in range(parts)
         ]
         aggs = [algorithm.aggregation(mask) for mask in self._step_masks(shard, rows, steps)]
+        # pi_old, the policy before the first step: the first step's own forwards run at those weights, so its
+        # rows' old log-probs are their training log-probs (detached); the later steps' rows are scored now, in
+        # the micro-batches they will train in
+        old: dict[int, torch.Tensor] = {}
+        for mini in steps[1:]:
+            for i, values in zip(mini, self._row_logprobs([rows[i] for i in mini]), strict=True):
+                old[i] = values
         for _ in range(self.config.epochs):
             for mini, agg in zip(steps, aggs, strict=True):
                 chunks = self._micro_batches([rows[i] for i in mini])
@@ -452,6 +481,11 @@ class Learner:
                     idx = [mini[j] for j in chunk]
                     batch = collate([rows[i].sequence for i in idx], self.pad_token_id).to(self.device)
                     flat, entropy = self._forward(batch, with_entropy=True)
+                    if idx[0] not in old:  # the first step of the first epoch: still the old weights
+                        for i, values in zip(
+                            idx, flat.detach().float().split(batch.lengths.tolist()), strict=True
+                        ):
+                            old[i] = values
                     inputs = PolicyInputs(
                         logp=batch.scatter(flat.float()),
                         old_logp=batch.scatter(torch.cat([old[i] for i in idx]).to(self.device)),

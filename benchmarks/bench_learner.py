@@ -17,6 +17,22 @@ included). tokens/s counts the tokens of the batch's rows (not the padding), as 
 the whole batch) are recorded beside it. Advantages alternate +1 / -1 by episode, so every setting does the
 same work whatever the rewards. CPU, 1 torch thread per rank (docs/platform.md §3), the load average
 recorded: the machine may be shared, and R ranks need R idle cores to show their speed-up.
+
+``--versus REV`` instead times today's learner against the learner of git revision ``REV`` side by side, on
+the demo's batches (``streamrl demo``: SPO++ on Math-TIR from the demo's cold-start checkpoint of ``tiny``,
+``--episodes`` per update, 4 mini-batches, lr 1e-4, full fine-tuning)::
+
+    python benchmarks/bench_learner.py --versus 5f14592 [--episodes 64] [--repeats 8]
+                                       [--out benchmarks/results/learner_versus.json]
+
+``REV``'s ``algorithms/learner.py`` and ``agents/logprobs.py`` are loaded from git as modules of their own, so
+both learners run in this process on the same batch and weights. Updates alternate between the two learners
+(``--repeats`` each, after a warm-up), each timed in CPU seconds of this process (what a busy neighbour on
+a shared machine does not inflate, unlike wall seconds, also recorded): tokens/s are the batch's row tokens
+per second, and the ratio is that of the medians. Then the gradients: both learners start from the same
+weights, and at every optimizer step of one update the learner under test takes the reference's weights after
+the reference's step, so each step's gradient is compared at the same weights (max absolute difference over
+all parameters), with the losses and metrics of the update.
 """
 
 from __future__ import annotations
@@ -25,8 +41,12 @@ import argparse
 import json
 import os
 import platform
+import statistics
+import subprocess
 import sys
 import time
+import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +161,166 @@ def time_update(
     }
 
 
+def learner_at(rev: str) -> type[Learner]:
+    """The ``Learner`` class of git revision ``rev``: its ``algorithms/learner.py`` and ``agents/logprobs.py``
+    executed as modules of their own (the rest of the package is today's)."""
+
+    def module(path: str, name: str) -> types.ModuleType:
+        source = subprocess.run(
+            ["git", "show", f"{rev}:{path}"], cwd=HERE.parent, capture_output=True, text=True, check=True
+        ).stdout
+        mod = types.ModuleType(name)
+        mod.__file__ = f"{rev}:{path}"
+        sys.modules[name] = mod  # dataclasses look their module up
+        exec(compile(source, mod.__file__, "exec"), mod.__dict__)
+        return mod
+
+    logprobs = module("agents/logprobs.py", "reference_logprobs")
+    learner = module("algorithms/learner.py", "reference_learner")
+    learner.selected_token_logprobs = logprobs.selected_token_logprobs  # (imported by name)
+    return learner.Learner  # type: ignore[no-any-return]
+
+
+def stepwise_gradients(
+    make: Callable[[type[Learner]], Learner],
+    reference: type[Learner],
+    episodes: list[Episode],
+    algorithm: Algorithm,
+) -> dict[str, Any]:
+    """One update by each learner from the same weights; at each optimizer step the learner under test takes
+    the reference's weights after its step, so every step's gradients are at the same weights."""
+    advantages = alternating_advantages(episodes)
+    ref, new = make(reference), make(Learner)
+    grads: list[list[torch.Tensor]] = []
+    after: list[list[torch.Tensor]] = []
+    ref_step = ref._step
+
+    def recording_step() -> float:
+        grads.append([p.grad.detach().clone() for p in ref.params])  # type: ignore[union-attr]
+        norm = ref_step()
+        after.append([p.detach().clone() for p in ref.params])
+        return norm
+
+    diffs: list[float] = []
+
+    def following_step() -> float:
+        step = len(diffs)
+        diffs.append(
+            max(
+                float((p.grad - g).abs().max())  # type: ignore[operator]
+                for p, g in zip(new.params, grads[step], strict=True)
+            )
+        )
+        with torch.no_grad():
+            for p, w in zip(new.params, after[step], strict=True):
+                p.copy_(w)
+        new.optimizer.zero_grad(set_to_none=True)
+        new.steps += 1
+        return 0.0
+
+    ref._step = recording_step  # type: ignore[method-assign]
+    new._step = following_step  # type: ignore[method-assign]
+    ref_metrics = ref.update(episodes, advantages, algorithm)
+    new_metrics = new.update(episodes, advantages, algorithm)
+    skip = {"learner_seconds", "learner_tokens_per_s", "grad_norm", "lr"}  # timing; the stubbed step
+    return {
+        "max_abs_grad_diff_per_step": diffs,
+        "max_abs_grad_diff": max(diffs),
+        "max_abs_grad": max(float(g.abs().max()) for step in grads for g in step),
+        "metrics_reference": {k: v for k, v in ref_metrics.items() if k not in skip},
+        "metrics_current": {k: v for k, v in new_metrics.items() if k not in skip},
+        "max_abs_metric_diff": max(
+            abs(ref_metrics[k] - new_metrics[k]) for k in ref_metrics if k not in skip
+        ),
+    }
+
+
+def versus(args: argparse.Namespace) -> None:
+    """Today's learner against revision ``args.versus`` on the demo's batches (module doc)."""
+    from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
+    from streamrl.algorithms.train import initial_model_dir
+    from streamrl.evaluation.demo import DEMO_COLD_START, DemoConfig
+
+    rev = subprocess.run(
+        ["git", "rev-parse", args.versus], cwd=HERE.parent, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    reference = learner_at(rev)
+    demo = DemoConfig()
+    load_before = os.getloadavg()[0]
+    model_dir = initial_model_dir("tiny", "sft", "math_tir", sft=dict(DEMO_COLD_START))
+    backend = HFBackend(model_dir, config=HFBackendConfig(device="cpu", seed=0))
+    episodes = play_batch(backend, args.episodes)
+    pad = int(backend.tokenizer.pad_token_id)
+    backend.close()
+    shape = batch_shape(episodes)
+    print(f"batch: {json.dumps(shape)}", flush=True)
+    algorithm = make_algorithm("spo++")
+    config = LearnerConfig(finetune="full", lr=demo.lr, mini_batches=demo.mini_batches, device="cpu")
+
+    def make(cls: type[Learner]) -> Learner:
+        torch.manual_seed(0)
+        return cls(load_model(model_dir), config, pad_token_id=pad, total_steps=demo.updates)
+
+    gradients = stepwise_gradients(make, reference, episodes, algorithm)
+    print(f"max |grad diff| per step: {gradients['max_abs_grad_diff_per_step']}", flush=True)
+    advantages = alternating_advantages(episodes)
+    learners = {"reference": make(reference), "current": make(Learner)}
+    for learner in learners.values():
+        learner.update(episodes[:4], advantages[:4], algorithm)  # warm-up
+    cpu: dict[str, list[float]] = {name: [] for name in learners}
+    wall: dict[str, list[float]] = {name: [] for name in learners}
+    for _ in range(args.repeats):
+        for name, learner in learners.items():
+            started, cpu_started = time.perf_counter(), time.process_time()
+            learner.update(episodes, advantages, algorithm)
+            cpu[name].append(time.process_time() - cpu_started)
+            wall[name].append(time.perf_counter() - started)
+        print({name: round(cpu[name][-1], 3) for name in learners}, flush=True)
+    tokens = shape["tokens"]
+    timing = {
+        name: {
+            "cpu_seconds": [round(x, 4) for x in cpu[name]],
+            "wall_seconds": [round(x, 4) for x in wall[name]],
+            "tokens_per_cpu_s_median": round(tokens / statistics.median(cpu[name]), 1),
+            "tokens_per_wall_s_median": round(tokens / statistics.median(wall[name]), 1),
+            "action_tokens_per_cpu_s_median": round(shape["action_tokens"] / statistics.median(cpu[name]), 1),
+        }
+        for name in learners
+    }
+    report = {
+        "benchmark": "Learner.update on the demo's batches: today's learner against a git revision's, side by side",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "reference_revision": rev,
+        "model": "tiny, the demo's cold-start checkpoint (DEMO_COLD_START)",
+        "learner": {
+            "algorithm": "spo++",
+            "mini_batches": demo.mini_batches,
+            "lr": demo.lr,
+            "finetune": "full",
+        },
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+        "load_avg_1m_before_after": [load_before, os.getloadavg()[0]],
+        "batch": {**shape, "env": "math_tir"},
+        "timing": timing,
+        "speedup_cpu_median": round(
+            statistics.median(cpu["reference"]) / statistics.median(cpu["current"]), 3
+        ),
+        "speedup_cpu_per_repeat": [
+            round(r / c, 3) for r, c in zip(cpu["reference"], cpu["current"], strict=True)
+        ],
+        "speedup_wall_median": round(
+            statistics.median(wall["reference"]) / statistics.median(wall["current"]), 3
+        ),
+        "gradients": gradients,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"speed-up (CPU s, median): {report['speedup_cpu_median']}; wrote {args.out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny", help="registry name or local HF directory")
@@ -150,9 +330,15 @@ def main() -> None:
     parser.add_argument("--ranks", nargs="+", type=int, default=[1], help="learner ranks (gloo) to time")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "learner.json")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--versus", default=None, help="git revision: time its learner against today's")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.versus is not None:
+        args.out = args.out or HERE / "results" / "learner_versus.json"
+        versus(args)
+        return
+    args.out = args.out or HERE / "results" / "learner.json"
     from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
 
     load_before = os.getloadavg()[0]
