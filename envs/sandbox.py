@@ -283,6 +283,12 @@ class _Zygote:
         if self.namespaces:
             self._isolate()
         self.drop_uid = self.is_root and self._probe_uid_drop()
+        if self.namespaces and self.is_root and not self.drop_uid:  # the code must never run as root
+            raise _SetupError(
+                f"switching to the sandbox uid {config.sandbox_uid}",
+                errno.EACCES,
+                "that uid cannot read the interpreter's standard library; set SandboxConfig.sandbox_uid to one that can",
+            )
         # Work directories: a fresh tmpfs on /tmp per call in namespaces mode, else folders under the
         # pool's scratch directory (which the pool removes even if this process is killed).
         self.base_dir = None if self.private_fs else scratch

@@ -356,6 +356,35 @@ def test_a_service_on_loopback_is_unreachable(pool: SandboxPool) -> None:
             server.accept()  # nobody connected
 
 
+def test_a_math_tir_episode_sees_no_home_no_processes_and_no_network(home_secret: Path) -> None:
+    """The issue's table, through the env a user trains with: one Math-TIR episode, one snippet per row."""
+    import gymnasium as gym
+    import streamrl.envs  # noqa: F401 - registers the envs
+
+    env = gym.make("streamrl/MathTIR-v0", sandbox=SandboxConfig(timeout_s=3.0, cpu_time_s=1))
+    try:
+        env.reset(seed=0)
+
+        def tool(code: str) -> str:
+            obs, _, terminated, truncated, info = env.step(f"```python\n{code}\n```")
+            assert not (terminated or truncated) and info["action_valid"], obs
+            return str(obs)
+
+        read = tool(f"print(open({str(home_secret)!r}).read())")
+        assert "FileNotFoundError" in read and "ssh-key-material" not in read
+        pwned = Path.home() / f"streamrl-sandbox-pwned-env-{os.getpid()}.txt"
+        assert "Error" in tool(f"open({str(pwned)!r}, 'w').write('pwned')")
+        assert not pwned.exists()
+        assert "Network is unreachable" in tool(
+            "import socket\nsocket.create_connection(('127.0.0.1', 22), 1)"
+        )
+        assert "```output\n[1]\n```" in tool(
+            "import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))"
+        )
+    finally:
+        env.close()
+
+
 def test_rlimits_mode_is_chosen_by_name_and_logged_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
