@@ -1364,8 +1364,10 @@ class Trainer:
 
 
 def _fsync_folder(path: Path, *, files: bool = True) -> None:
-    """Flush ``path`` (a folder's entries: what renames into it did) and, with ``files``, the files in it."""
-    for item in [*(p for p in path.iterdir() if p.is_file()), path] if files else [path]:
+    """Flush to disk the folder ``path`` (its entries: what was renamed into it) and, with ``files``, the files
+    in it."""
+    items = [p for p in path.iterdir() if p.is_file()] if files else []
+    for item in [*items, path]:
         fd = os.open(item, os.O_RDONLY)
         try:
             os.fsync(fd)

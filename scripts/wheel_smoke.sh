@@ -20,16 +20,19 @@ git ls-files -z --cached --others --exclude-standard |
 
 "$PY" -m venv "$work/venv"
 pip=("$work/venv/bin/python" -m pip --disable-pip-version-check -q)
-"${pip[@]}" install torch==2.13.0 # pinned first, as scripts/install.sh does: no CUDA build
+install=("${pip[@]}" install --no-compile) # a .pyc is written on first import, for what the run imports
+"${install[@]}" torch==2.13.0 # pinned first, as scripts/install.sh does: no CUDA build
 "${pip[@]}" wheel --no-deps -w "$work/dist" "$work/src"
 wheels=("$work"/dist/streamrl-*.whl)
-"${pip[@]}" install "${wheels[0]}"
-echo "wheel-smoke: installed ${wheels[0]##*/} ($(du -h "${wheels[0]}" | cut -f1)) into a fresh venv"
+"${install[@]}" "${wheels[0]}"
+echo "wheel-smoke: built ${wheels[0]##*/} ($(du -h "${wheels[0]}" | cut -f1)) and installed it into a fresh venv" \
+  "in ${SECONDS}s"
 
 cd "$work/empty"
 export STREAMRL_CACHE="$work/cache" OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+found="$("$work/venv/bin/python" -c 'from importlib import resources; print(resources.files("streamrl.checkpoints"))')" ||
+  { echo "wheel-smoke: the installed package has no streamrl.checkpoints" >&2; exit 1; }
 shipped="$("$work/venv/bin/python" -c 'from streamrl.algorithms.sft import SHIPPED; print(SHIPPED)')"
-found="$("$work/venv/bin/python" -c 'from importlib import resources; print(resources.files("streamrl.checkpoints"))')"
 case "$shipped" in
   "$work/venv/"*) ;;
   *) echo "wheel-smoke: the shipped checkpoints resolve to $shipped, not into the installed package" >&2; exit 1 ;;
@@ -39,6 +42,7 @@ compgen -G "$shipped/*/SHA256SUMS" >/dev/null || {
   echo "wheel-smoke: the installed package has no shipped checkpoint in $shipped (package data missing)" >&2; exit 1; }
 
 # a copy takes seconds; the limit stops a build (hours on one core) early
+started=$SECONDS
 timeout 600 "$work/venv/bin/streamrl" train --out runs/smoke --init sft --updates 1 --batch 4 --num-envs 4 --tasks 8 \
   --offline-rollouts 1 --eval-episodes 4 --max-new-tokens 16 --no-progress 2>&1 | tee "$work/train.log"
 
@@ -49,4 +53,4 @@ name="$(sed -E 's/^SFT checkpoint ([^:]+):.*/\1/' <<<"$line")"
 (cd "$STREAMRL_CACHE/sft/$name" && sha256sum --quiet -c "$shipped/$name/SHA256SUMS")
 cmp "$STREAMRL_CACHE/sft/$name/streamrl_sft.json" "$shipped/$name/streamrl_sft.json"
 grep -q '"update": 1' runs/smoke/metrics.jsonl
-echo "wheel-smoke: ok ($name copied from the installed package, one update trained in $work/empty/runs/smoke)"
+echo "wheel-smoke: ok ($name copied from the installed package; the smoke run took $((SECONDS - started))s)"
