@@ -118,6 +118,12 @@ class _Layer:
     down: _Linear
 
 
+def _mlp(layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+    """SwiGLU, ``down(silu(gate(h)) * up(h))``, in place on the gate's output (no grad: inference only)."""
+    gate = F.silu(layer.gate(h), inplace=True)
+    return layer.down(gate.mul_(layer.up(h)))
+
+
 def _decoder_model(model: Any) -> Any:
     """The transformers ``*ForCausalLM`` inside ``model`` (through a peft wrapper)."""
     get_base = getattr(model, "get_base_model", None)
@@ -316,7 +322,7 @@ class StaticCacheDecoder:
         )
         x = residual + layer.o(out.transpose(1, 2).reshape(rows, width, -1))
         h = _rms_norm(x, layer.post_norm)
-        return x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
+        return x + _mlp(layer, h)
 
     def _store(
         self, i: int, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, column: int
@@ -357,4 +363,4 @@ class StaticCacheDecoder:
         )
         x = x + layer.o(out.reshape(rows, 1, -1))
         h = _rms_norm(x, layer.post_norm)
-        return x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
+        return x + _mlp(layer, h)
