@@ -53,6 +53,7 @@ import json
 import logging
 import os
 import queue
+import random
 import re
 import select
 import shutil
@@ -526,6 +527,7 @@ class _Zygote:
         """Runs in the forked child; never returns."""
         rc = 1
         try:
+            random.seed()  # the one at-fork hook _fork_call_child skips whose effect the code could see
             os.setsid()
             null = os.open(os.devnull, os.O_RDONLY)
             os.dup2(null, 0)
@@ -579,7 +581,7 @@ class _Zygote:
         out_r, out_w = os.pipe()
         # The child becomes PID 1 of a new PID namespace: when it ends, the kernel kills all it started.
         in_pid_ns = self.pid_ns and self.libc.unshare(_CLONE_NEWPID) == 0
-        pid = os.fork()
+        pid = _fork_call_child()
         if pid == 0:
             os.close(out_r)
             self._child(code, out_w, workdir)
@@ -756,6 +758,23 @@ def error_summary(output: str) -> str:
         if _EXCEPTION_LINE.match(line):
             return line
     return lines[-1] if lines else ""
+
+
+_glibc_fork = ctypes.PyDLL(None, use_errno=True).fork  # a PyDLL call keeps the GIL held across the fork
+
+
+def _fork_call_child() -> int:
+    """``fork`` for a call's child: glibc's fork without Python's at-fork machinery.
+
+    ``os.fork`` also re-initialises the interpreter's thread state and runs every module's at-fork hooks
+    (logging, threading, random, ...) in both processes. The zygote is single-threaded, so there is nothing
+    to re-initialise, while those hooks write to pages all over the shared heap, each write a copy-on-write
+    fault -- a tenth of a call's cost. The only hook whose effect the code could notice, ``random``'s
+    reseed, is repeated by the child (:meth:`_Zygote._child`)."""
+    pid: int = _glibc_fork()
+    if pid < 0:
+        raise OSError(ctypes.get_errno(), "fork failed")
+    return pid
 
 
 def _signal_name(sig: int) -> str:

@@ -69,6 +69,8 @@ def test_calls_share_no_state(pool: SandboxPool) -> None:
     assert pool.run("secret_value = 41\nopen('state.txt', 'w').write('x')").ok
     result = pool.run("import os\nprint('secret_value' in globals(), 'state.txt' in os.listdir('.'))")
     assert result.output == "False False\n"
+    draws = {pool.run("import random\nprint(random.getrandbits(64))").output for _ in range(3)}
+    assert len(draws) == 3  # every call draws fresh random numbers
 
 
 HOSTILE = {
