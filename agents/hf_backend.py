@@ -491,6 +491,8 @@ class HFBackend:
         params: SamplingParams,
         choices: Sequence[list[list[int]] | None],
     ) -> list[Generation]:
+        """One batch: prefill, then a step per token; the whole batch is sampled and recorded in tensor ops, and
+        only the rows a token may end (or that are constrained) are looked at in Python."""
         n = len(prompts)
         budgets = [min(params.max_new_tokens, self.max_positions - len(p)) for p in prompts]
         steps = max(budgets)
@@ -499,13 +501,10 @@ class HFBackend:
         stop_tail = max((len(s.encode()) for s in params.stop_strings), default=0) + 1
         tokens = torch.zeros((n, steps), dtype=torch.long, device=self.device)
         logprobs = torch.zeros((n, steps), dtype=torch.float32, device=self.device)
-        ends: list[tuple[FinishReason, Any] | None] = [
-            None
-        ] * n  # why and after how many tokens each row ended
+        # Per row: why it ended and after how many tokens; the tokens so far of a constrained row.
+        ends: list[tuple[FinishReason, Any] | None] = [None] * n
         lengths = [0] * n
-        prefixes: dict[int, list[int]] = {
-            row: [] for row in range(n) if choices[row] is not None
-        }  # constrained rows' tokens
+        prefixes: dict[int, list[int]] = {row: [] for row in range(n) if choices[row] is not None}
         rows = list(range(n))  # original row of each row in the batch (finished rows stay until compacted)
         index = torch.arange(n, device=self.device)
         budget = torch.as_tensor(budgets, device=self.device)
@@ -529,11 +528,11 @@ class HFBackend:
                 # complete a stop string, the budget reached, or a constrained row.
                 flagged = torch.nonzero(table[chosen] | (budget[index] <= step + 1)).flatten().tolist()
                 looked_at = sorted(set(flagged).union(j for j, _ in constrained))
+                chosen_ids = chosen.tolist() if looked_at else []
                 for j in looked_at:
-                    row = rows[j]
+                    row, token = rows[j], chosen_ids[j]
                     if ends[row] is not None:
                         continue
-                    token = int(chosen[j])
                     end: tuple[FinishReason, Any] | None = None
                     if token in stop_ids:
                         end = ("stop", token)
@@ -553,9 +552,7 @@ class HFBackend:
                         live -= 1
                 if live == 0:
                     break
-                if 4 * (len(rows) - live) >= len(
-                    rows
-                ):  # drop finished rows once they are a quarter of the batch
+                if 4 * (len(rows) - live) >= len(rows):  # finished rows are a quarter of the batch: drop them
                     keep = [j for j, r in enumerate(rows) if ends[r] is None]
                     kept = torch.as_tensor(keep, device=self.device)
                     decoder.keep(kept)
