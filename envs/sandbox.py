@@ -111,8 +111,9 @@ class SandboxConfig:
     max_open_files: int = 64
     """RLIMIT_NOFILE: descriptors the code may hold (>= 16)."""
     max_processes: int = 64
-    """RLIMIT_NPROC of the sandbox uid (processes + threads of that uid across all sandboxes, >= 1).
-    Enforced only when the child runs as a non-root uid (see ``sandbox_uid``)."""
+    """RLIMIT_NPROC of the child (>= 1): processes + threads of its uid -- as root, of the sandbox uid across
+    all sandboxes; in a user namespace, of the caller's uid within that zygote's namespace. Not enforced for
+    root, hence the switch to ``sandbox_uid``."""
     max_output_chars: int = 16_384
     """Captured output kept per call: the first and last ``max_output_chars // 2`` characters, with a
     marker saying how much was cut in between."""
