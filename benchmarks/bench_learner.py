@@ -20,9 +20,9 @@ recorded: the machine may be shared, and R ranks need R idle cores to show their
 
 ``--versus REV`` instead times today's learner against the learner of git revision ``REV`` side by side, on
 the demo's batches (``streamrl demo``: SPO++ on Math-TIR from the demo's cold-start checkpoint of ``tiny``,
-``--episodes`` per update, 4 mini-batches, lr 1e-4, full fine-tuning)::
+``--episodes`` per update, 4 mini-batches, lr 1e-4, full fine-tuning; the batch played with ``--seed``)::
 
-    python benchmarks/bench_learner.py --versus 5f14592 [--episodes 64] [--repeats 8]
+    python benchmarks/bench_learner.py --versus 5f14592 [--episodes 64] [--repeats 8] [--seed 0]
                                        [--out benchmarks/results/learner_versus.json]
 
 ``REV``'s ``algorithms/learner.py`` and ``agents/logprobs.py`` are loaded from git as modules of their own, so
@@ -248,8 +248,8 @@ def versus(args: argparse.Namespace) -> None:
     demo = DemoConfig()
     load_before = os.getloadavg()[0]
     model_dir = initial_model_dir("tiny", "sft", "math_tir", sft=dict(DEMO_COLD_START))
-    backend = HFBackend(model_dir, config=HFBackendConfig(device="cpu", seed=0))
-    episodes = play_batch(backend, args.episodes)
+    backend = HFBackend(model_dir, config=HFBackendConfig(device="cpu", seed=args.seed))
+    episodes = play_batch(backend, args.episodes, seed=args.seed)
     pad = int(backend.tokenizer.pad_token_id)
     backend.close()
     shape = batch_shape(episodes)
@@ -303,7 +303,7 @@ def versus(args: argparse.Namespace) -> None:
         "torch": torch.__version__,
         "machine": f"{platform.machine()} {os.cpu_count()} cpus",
         "load_avg_1m_before_after": [load_before, os.getloadavg()[0]],
-        "batch": {**shape, "env": "math_tir"},
+        "batch": {**shape, "env": "math_tir", "seed": args.seed},
         "timing": timing,
         "speedup_cpu_median": round(
             statistics.median(cpu["reference"]) / statistics.median(cpu["current"]), 3
@@ -332,6 +332,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--versus", default=None, help="git revision: time its learner against today's")
+    parser.add_argument("--seed", type=int, default=0, help="--versus: the seed the batch is played with")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.versus is not None:
