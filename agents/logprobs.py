@@ -69,10 +69,10 @@ def last_hidden_states(
 ) -> torch.Tensor:
     """The decoder's final hidden states ``[B, T, H]`` (no vocabulary projection); works through peft.
 
-    Right-padded rows (``right_padded``) run without an attention mask: causal attention alone keeps a row's
-    real tokens from its padding, which only follows them, so the fused causal kernel runs (no mask to build
-    or apply); their positions ``0..T-1`` are ``cumsum(mask) - 1`` on the real tokens. The hidden states of
-    padding are then not those of the masked forward; they are never selected.
+    Without ``share_prefix`` or ``used``: the plain masked forward. With either, the caller reads no padding,
+    and right-padded rows (``right_padded``) run without an attention mask: causal attention alone keeps a
+    row's real tokens from its padding, which only follows them, so the fused causal kernel runs (no mask to
+    build or apply); their positions ``0..T-1`` are ``cumsum(mask) - 1`` on the real tokens.
 
     ``share_prefix`` (right-padded rows only): the leading tokens every row has in common
     (``shared_prefix_length``, e.g. a system prompt) go through the decoder once, in one row, and the rest of
@@ -84,11 +84,14 @@ def last_hidden_states(
     ``used`` (bool ``[B, T]``): the positions whose hidden states the caller reads. A position's output of
     the last layer feeds nothing but its own hidden state, so that layer's MLP (position-wise) runs only at
     these positions; the hidden states elsewhere are then not the model's.
+
+    Both give the plain forward's values up to float rounding, not bit for bit: a caller that must reproduce
+    earlier bits (a reproducible SFT build) leaves them off.
     """
     decoder = model.get_decoder()
     last = getattr(decoder, "layers", None)
     mlp = getattr(last[-1], "mlp", None) if isinstance(last, torch.nn.ModuleList) and len(last) else None
-    if not right_padded(attention_mask):
+    if not (share_prefix or used is not None) or not right_padded(attention_mask):
         with _only_at(mlp, used):
             return decoder(
                 input_ids=input_ids,
@@ -153,6 +156,7 @@ def selected_token_logprobs(
     temperature: float = 1.0,
     allowed: torch.Tensor | None = None,
     share_prefix: bool = False,
+    skip_unread: bool = False,
 ) -> Any:
     """``token_logprobs(...)[select]`` without computing logits anywhere else, shape ``[select.sum()]``.
 
@@ -169,11 +173,14 @@ def selected_token_logprobs(
     log-probs; the gradient flows through the normalizer too), and the entropy is that distribution's; a row
     of -1 leaves its position unconstrained.
 
-    ``share_prefix``: compute the rows' common prefix once (``last_hidden_states``).
+    ``skip_unread``: skip the work no selected log-prob reads (right-padded rows without an attention mask, the
+    last layer's MLP only at selected positions); ``share_prefix``: compute the rows' common prefix once. See
+    ``last_hidden_states``: the same values up to float rounding, not bit for bit.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to score a sampling policy, got {temperature}")
-    used = torch.nn.functional.pad(select, (0, 1))  # [B, T]: the hidden states that predict a selected token
+    # [B, T]: the hidden states that predict a selected token
+    used = torch.nn.functional.pad(select, (0, 1)) if skip_unread else None
     hidden = last_hidden_states(model, input_ids, attention_mask, share_prefix=share_prefix, used=used)
     chosen = hidden[:, :-1][select]
     logits = model.get_output_embeddings()(chosen).float()

@@ -18,8 +18,8 @@ What it does for an update (``Learner.update``):
    norm, steps AdamW and the warm-up + cosine schedule.
 
 Every forward computes the micro-batch's common prefix (the system prompt) once and the logits only at action
-tokens, and skips the last layer's MLP elsewhere (``selected_token_logprobs(share_prefix=True)``): the same
-log-probs and gradients up to float rounding, for less arithmetic.
+tokens, and skips the last layer's MLP elsewhere (``selected_token_logprobs(skip_unread=True,
+share_prefix=True)``): the same log-probs and gradients up to float rounding, for less arithmetic.
 
 Data-parallel ranks (``streamrl.algorithms.distributed``): ``shard_batch`` deals the batch to R ranks and each
 rank runs ``update_shard`` on its shard. The ranks gather every step's row lengths, so the loss aggregation
@@ -384,6 +384,7 @@ class Learner:
                 with_entropy=with_entropy,
                 temperature=self.temperature,
                 allowed=batch.allowed(),  # tokens sampled under a constraint: scored as they were sampled
+                skip_unread=True,
                 share_prefix=not self.sharded,  # (FSDP: the ranks' forwards are collectives, one call each)
             )
 
