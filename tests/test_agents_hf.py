@@ -423,13 +423,18 @@ def test_sampled_logprobs_are_what_the_learner_recomputes(backend: HFBackend) ->
         seq.extend_action(gen.token_ids, gen.logprobs, 0)
         sequences.append(seq)
     batch = collate(sequences, backend.pad_token_id)
-    with torch.no_grad():
-        learner = selected_token_logprobs(
-            backend.model, batch.input_ids, batch.attention_mask, batch.action_mask
-        )
     rollout = torch.tensor([lp for g in gens for lp in g.logprobs])
-    assert learner.shape == rollout.shape
-    assert (learner - rollout).abs().max() < 1e-5
+    for skip_unread in (False, True):  # the plain masked forward, and the learner's own
+        with torch.no_grad():
+            learner = selected_token_logprobs(
+                backend.model,
+                batch.input_ids,
+                batch.attention_mask,
+                batch.action_mask,
+                skip_unread=skip_unread,
+            )
+        assert learner.shape == rollout.shape
+        assert (learner - rollout).abs().max() < 1e-5
 
 
 def test_inverse_cdf_sample_draws_exactly_the_distribution() -> None:
