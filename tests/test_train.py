@@ -38,7 +38,12 @@ from streamrl.agents.base import SamplingParams
 from streamrl.agents.batch import TokenBatch, collate
 from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
 from streamrl.agents.llm_agent import LLMAgent
-from streamrl.agents.logprobs import position_ids_from_mask, token_logprobs
+from streamrl.agents.logprobs import (
+    position_ids_from_mask,
+    selected_token_logprobs,
+    shared_prefix_length,
+    token_logprobs,
+)
 from streamrl.agents.models import load_model, load_tokenizer, resolve_model, weights_fingerprint
 from streamrl.agents.trajectory import TokenSequence, Trajectory
 from streamrl.algorithms.base import Episode, PolicyInputs, make_algorithm
@@ -1004,6 +1009,52 @@ def test_the_learner_s_gradients_are_the_plain_loss_gradients(algo: str, overrid
     assert max(worst) <= 1e-6, worst
     assert abs(metrics["loss"] - sum(losses) / len(losses)) <= 1e-6
     assert all(math.isfinite(v) for v in metrics.values()), metrics  # the entropy of constrained rows too
+
+
+def test_a_shared_prefix_that_holds_action_tokens_scores_them_like_the_plain_forward() -> None:
+    """Rows that share their first turn, actions included (a windowed context's rows), and then differ in
+    length: the learner's forward (``skip_unread``, ``share_prefix``) scores the shared actions once for all
+    rows, and its log-probs, entropies and gradients are the plain forward's to float rounding."""
+    torch.manual_seed(0)
+    model = load_model(resolve_model("tiny")).eval()
+    pad = int(load_tokenizer(resolve_model("tiny")).pad_token_id)
+    gen = torch.Generator().manual_seed(1)
+    first = TokenSequence()
+    first.extend_context(torch.randint(4, 4000, (25,), generator=gen).tolist())
+    first.extend_action(torch.randint(4, 4000, (10,), generator=gen).tolist(), [-1.0] * 10, 0)
+    rows = []
+    for k in range(5):
+        seq = TokenSequence(
+            list(first.token_ids),
+            list(first.action_mask),
+            list(first.rollout_logprobs),
+            list(first.token_versions),
+        )
+        seq.extend_context(torch.randint(4, 4000, (3 + 4 * k,), generator=gen).tolist())
+        seq.extend_action(torch.randint(4, 4000, (2 + k,), generator=gen).tolist(), [-1.0] * (2 + k), 0)
+        rows.append(seq)
+    batch = collate(rows, pad)
+    assert shared_prefix_length(batch.input_ids, batch.attention_mask) >= 35  # the first turn's actions
+    scores = []
+    for fast in (False, True):
+        lp, entropy = selected_token_logprobs(
+            model,
+            batch.input_ids,
+            batch.attention_mask,
+            batch.action_mask,
+            with_entropy=True,
+            skip_unread=fast,
+            share_prefix=fast,
+        )
+        grads = torch.autograd.grad(lp.sum(), list(model.parameters()))
+        scores.append((lp.detach(), entropy, grads))
+    (plain, plain_entropy, plain_grads), (fast_lp, fast_entropy, fast_grads) = scores
+    assert float((plain - fast_lp).abs().max()) <= 1e-5
+    assert float((plain_entropy - fast_entropy).abs().max()) <= 1e-5
+    scale = max(float(g.abs().max()) for g in plain_grads)
+    assert (
+        max(float((a - b).abs().max()) for a, b in zip(plain_grads, fast_grads, strict=True)) <= 1e-6 * scale
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
