@@ -82,17 +82,17 @@ def last_hidden_states(
     Not for FSDP-sharded models: the extra decoder call is an extra collective that other ranks may not run.
 
     ``used`` (bool ``[B, T]``): the positions whose hidden states the caller reads. A position's output of
-    the last layer feeds nothing but its own hidden state, so that layer's MLP (position-wise) runs only at
-    these positions; the hidden states elsewhere are then not the model's.
+    the last layer feeds nothing but its own hidden state, so that layer's position-wise parts that do not
+    make keys or values (``_last_layer_position_wise``: the query and output projections, the MLP) run only
+    at these positions; the hidden states elsewhere are then not the model's.
 
     Both give the plain forward's values up to float rounding, not bit for bit: a caller that must reproduce
     earlier bits (a reproducible SFT build) leaves them off.
     """
     decoder = model.get_decoder()
-    last = getattr(decoder, "layers", None)
-    mlp = getattr(last[-1], "mlp", None) if isinstance(last, torch.nn.ModuleList) and len(last) else None
+    unread = _last_layer_position_wise(decoder)
     if not (share_prefix or used is not None) or not right_padded(attention_mask):
-        with _only_at(mlp, used):
+        with _only_at(unread, used):
             return decoder(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -102,15 +102,15 @@ def last_hidden_states(
     positions = torch.arange(width, device=input_ids.device).expand(rows, width)
     shared = shared_prefix_length(input_ids, attention_mask) if share_prefix and rows > 1 else 0
     if shared == 0 or (rows - 1) * shared < SHARED_PREFIX_MIN_TOKENS:
-        with _only_at(mlp, used):
+        with _only_at(unread, used):
             return decoder(input_ids=input_ids, position_ids=positions).last_hidden_state
-    with _only_at(mlp, None if used is None else used[:, :shared].any(0, keepdim=True)):
+    with _only_at(unread, None if used is None else used[:, :shared].any(0, keepdim=True)):
         prefix = decoder(
             input_ids=input_ids[:1, :shared], position_ids=positions[:1, :shared], use_cache=True
         )
     cache = prefix.past_key_values
     cache.batch_repeat_interleave(rows)
-    with _only_at(mlp, None if used is None else used[:, shared:]):
+    with _only_at(unread, None if used is None else used[:, shared:]):
         rest = decoder(
             input_ids=input_ids[:, shared:],
             position_ids=positions[:, shared:],
@@ -120,11 +120,29 @@ def last_hidden_states(
     return torch.cat([prefix.last_hidden_state.expand(rows, -1, -1), rest], dim=1)
 
 
+def _last_layer_position_wise(decoder: Any) -> list[torch.nn.Module]:
+    """The last decoder layer's modules that act on each position alone and whose outputs at a position
+    reach only that position's output: its MLP, and its attention's query and output projections (queries
+    at a position are read by that position alone; keys and values are read by later positions). Those of
+    them the layer has under the names Llama-style decoders use (``layers[-1].mlp``,
+    ``layers[-1].self_attn.q_proj`` / ``o_proj``); none for other decoders."""
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
+        return []
+    attention = getattr(layers[-1], "self_attn", None)
+    found = [
+        getattr(layers[-1], "mlp", None),
+        getattr(attention, "q_proj", None),
+        getattr(attention, "o_proj", None),
+    ]
+    return [m for m in found if isinstance(m, torch.nn.Module)]
+
+
 @contextmanager
-def _only_at(module: torch.nn.Module | None, keep: torch.Tensor | None) -> Iterator[None]:
-    """Within the block, the position-wise ``module`` (called on ``[B, T, H]``) computes only the ``keep``
-    positions (bool ``[B, T]``, as one ``[1, n, H]`` row) and outputs zeros elsewhere."""
-    if module is None or keep is None:
+def _only_at(modules: list[torch.nn.Module], keep: torch.Tensor | None) -> Iterator[None]:
+    """Within the block, the position-wise ``modules`` (each called on ``[B, T, H]``) compute only the ``keep``
+    positions (bool ``[B, T]``, as one ``[1, n, H]`` row) and output zeros elsewhere."""
+    if not modules or keep is None:
         yield
         return
     called: list[bool] = []
@@ -138,7 +156,8 @@ def _only_at(module: torch.nn.Module | None, keep: torch.Tensor | None) -> Itera
             return None
         return out.new_zeros((*keep.shape, out.shape[-1])).masked_scatter(keep[..., None], out[0])
 
-    handles = [module.register_forward_pre_hook(gather), module.register_forward_hook(scatter)]
+    handles = [m.register_forward_pre_hook(gather) for m in modules]
+    handles += [m.register_forward_hook(scatter) for m in modules]
     try:
         yield
     finally:
