@@ -980,9 +980,20 @@ class _ZygoteHandle:
             self.stop()
             self.start()
         assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
+        request = {"code": code, "timeout": timeout}
         start = time.monotonic()
         try:
-            _send(self.proc.stdin.fileno(), {"code": code, "timeout": timeout})
+            try:
+                _send(self.proc.stdin.fileno(), request)
+            except OSError:
+                # The zygote died before it could take the request: the process we started (which waits
+                # for the zygote, PID 1 of its namespace) had not exited yet when ``alive`` looked. Nothing
+                # ran, so a fresh zygote takes the call.
+                self.stop()
+                self.start()
+                assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
+                start = time.monotonic()
+                _send(self.proc.stdin.fileno(), request)
             # The zygote enforces `timeout`; the margin covers fork, cleanup and a loaded machine.
             reply = _recv(self.proc.stdout.fileno(), start + timeout + 10.0)
         except (OSError, EOFError, TimeoutError) as e:
