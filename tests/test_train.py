@@ -406,31 +406,34 @@ def test_synchronous_trainer_is_bitwise_reproducible(
     assert len(trained) == len(set(trained))
 
 
+def _cli_flags(config: TrainConfig) -> list[str]:
+    """``streamrl train`` flags that give ``config`` (the fields the synchronous runs set)."""
+    names = (
+        "out",
+        "env",
+        "model",
+        "init",
+        "algo",
+        "max_staleness",
+        "tasks",
+        "updates",
+        "batch",
+        "num_envs",
+        "checkpoint_every",
+        "keep_versions",
+        "offline_rollouts",
+        "eval_every",
+        "max_new_tokens",
+        "env_workers",
+    )
+    return [f"--{name.replace('_', '-')}={getattr(config, name)}" for name in names]
+
+
 def test_kill_9_and_resume_continues_bit_for_bit(primed: Path, tmp_path: Path, sync_reference: Run) -> None:
     out = tmp_path / "run"
     config = sync_config(out, primed)
     cli = [sys.executable, "-m", "streamrl.evaluation.cli", "train"]
-    flags = [
-        f"--{name.replace('_', '-')}={getattr(config, name)}"
-        for name in (
-            "out",
-            "env",
-            "model",
-            "init",
-            "algo",
-            "max_staleness",
-            "tasks",
-            "updates",
-            "batch",
-            "num_envs",
-            "checkpoint_every",
-            "keep_versions",
-            "offline_rollouts",
-            "eval_every",
-            "max_new_tokens",
-            "env_workers",
-        )
-    ]
+    flags = _cli_flags(config)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(
         [*cli, *flags, "--no-progress"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
@@ -541,27 +544,7 @@ def test_a_kill_between_the_checkpoint_renames_resumes_from_the_last_checkpoint(
     # checkpoint/ was moved aside, before the new one takes its place
     out = tmp_path / "run"
     config = sync_config(out, primed)
-    flags = [
-        f"--{name.replace('_', '-')}={getattr(config, name)}"
-        for name in (
-            "out",
-            "env",
-            "model",
-            "init",
-            "algo",
-            "max_staleness",
-            "tasks",
-            "updates",
-            "batch",
-            "num_envs",
-            "checkpoint_every",
-            "keep_versions",
-            "offline_rollouts",
-            "eval_every",
-            "max_new_tokens",
-            "env_workers",
-        )
-    ]
+    flags = _cli_flags(config)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     killed = subprocess.run(
         [sys.executable, "-c", KILL_BETWEEN_RENAMES, "train", *flags, "--no-progress"],
