@@ -1,8 +1,8 @@
 """A sandbox for model-written Python: a pool of fork servers ("zygotes"), one fresh process per call.
 
-Why a fork server: a fresh ``python -c`` per call costs ~13 ms, and ~470 ms when the snippet imports sympy;
-a zygote that pre-imports math/fractions/sympy/numpy once and ``fork``s a child per call answers in a few
-milliseconds with the same per-call isolation (docs/platform.md §7; SimpleTIR and ToRL run each
+Why a fork server: a fresh ``python -c`` per call pays the interpreter's start-up, and far more when the
+snippet imports sympy; a zygote that pre-imports math/fractions/sympy/numpy once and ``fork``s a child per
+call pays neither, with the same per-call isolation (docs/platform.md §7 has the costs; SimpleTIR and ToRL run each
 snippet in a fresh, resource-limited process too, behind SandboxFusion).
 
 Each zygote is *spawned* (``subprocess.Popen`` of a new interpreter with ``-I`` and a scrubbed
@@ -105,7 +105,8 @@ class SandboxConfig:
     """RLIMIT_CPU of the child in seconds (>= 1); exceeding it is reported as a timeout."""
     memory_mb: int = 1024
     """RLIMIT_AS (virtual address space) of the child in MiB (>= 256; the preloaded zygote alone maps
-    ~180 MiB). Allocations beyond it raise ``MemoryError`` inside the snippet."""
+    a large share of that, docs/platform.md §7). Allocations beyond it raise ``MemoryError`` inside the
+    snippet."""
     max_file_mb: int = 16
     """RLIMIT_FSIZE in MiB: the largest file the code may write."""
     max_open_files: int = 64
@@ -141,8 +142,8 @@ class SandboxConfig:
     visible (as an ordinary user, the processes of that user could then be traced)."""
     warmup: bool = True
     """After preloading, run a small sympy/numpy workload in the zygote so that lazily imported submodules
-    and sympy's caches are ready in every forked child (a first ``sympy.solve`` in a child drops from
-    ~140 ms to ~40 ms on the reference machine). Costs ~0.5 s once per zygote."""
+    and sympy's caches are ready in every forked child (a child's first ``sympy.solve`` then skips that
+    work; docs/platform.md §7). Costs a fraction of a second once per zygote."""
     start_timeout_s: float = 60.0
     """How long a zygote may take to start and preload before it is reported as failed."""
 
@@ -1097,7 +1098,7 @@ _LIVE_POOLS: weakref.WeakSet[SandboxPool] = weakref.WeakSet()
 class SandboxPool:
     """A pool of zygotes that runs Python snippets; safe to call from many threads at once.
 
-    Zygotes start lazily (the first call that needs one pays ~0.5 s of preloading). A call blocks until
+    Zygotes start lazily (the first call that needs one pays for the preloading). A call blocks until
     a zygote is free. Use as a context manager or call :meth:`close`; pools still open at interpreter exit
     are closed by an ``atexit`` hook.
     """
