@@ -32,7 +32,10 @@ TINY_FLAGS = (
 
 @pytest.fixture
 def registry() -> Iterator[None]:
-    """Loading the example registers ``reinforce``; keep the process-wide registry as other tests see it."""
+    """Loading the example registers ``reinforce``; keep the process-wide registry as other tests see it. The
+    built-in algorithms are registered first: their modules register once, at import, so a registry saved
+    before they load would lose them for every later test of the process."""
+    base._load_builtin()
     saved = dict(base.ALGORITHMS)
     yield
     base.ALGORITHMS.clear()
