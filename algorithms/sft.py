@@ -388,9 +388,9 @@ def sft_checkpoint(
     cache, after its sha256 are checked, instead of being built. With ``reproducible`` a build runs in a fresh
     interpreter on the shared AVX2 kernel path (``REPRODUCIBLE_KERNELS``), so its bytes do not depend on the
     CPU model or on the caller's kernel variables; ``reproducible=False`` builds in this process with whatever
-    kernels it uses (faster on an AVX-512 CPU, weights particular to it). The kernel path is not part of the
-    cache key: a cached checkpoint is returned whichever path built it (``platform.kernels`` in its
-    ``streamrl_sft.json`` says which).
+    kernels it uses (AVX-512 where the CPU has them; weights particular to the CPU model). The kernel path is
+    not part of the cache key: a cached checkpoint is returned whichever path built it (``platform.kernels`` in
+    its ``streamrl_sft.json`` says which).
     """
     if isinstance(config, str):
         config = SFTConfig.for_env(config)

@@ -80,7 +80,7 @@ class SFTRunOptions:
     """Use a checkpoint shipped with streamrl (``checkpoints/``, package data) when one has the recipe's key,
     after checking its sha256; ``--no-shipped`` builds it (into an empty ``STREAMRL_CACHE``: the bit-for-bit rebuild)."""
     native_kernels: bool = False
-    """Build with this CPU's own kernels in this process (faster on AVX-512 CPUs) instead of the reproducible
+    """Build with this CPU's own kernels (AVX-512 where it has them) in this process instead of the reproducible
     build's fresh interpreter on the AVX2 kernel path every x86-64 CPU shares: the weights then differ from a
     build on another CPU model (``sft_checkpoint(reproducible=False)``)."""
 
