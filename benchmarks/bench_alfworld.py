@@ -1,7 +1,7 @@
 """ALFWorld env throughput: our patched engine vs stock TextWorld 1.7 on the same games and commands,
 memory per env, and scripted-agent success rates.
 
-    python benchmarks/bench_alfworld.py [--games 12] [--steps 30] [--out benchmarks/results/alfworld.json]
+    python benchmarks/bench_alfworld.py [--games 12] [--steps 30] [--out benchmarks/results/envs/alfworld.json]
 
 Per game, a seeded random agent's admissible commands are recorded once and replayed on both engines
 (their transcripts are identical; ``tests/test_alfworld_env.py`` checks that). Times are wall-clock on
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="recorded random commands per game")
     parser.add_argument("--resets", type=int, default=3, help="extra resets of each loaded game")
     parser.add_argument("--memory-envs", type=int, default=8)
-    parser.add_argument("--out", default=str(HERE / "results" / "alfworld.json"))
+    parser.add_argument("--out", default=str(HERE / "results" / "envs" / "alfworld.json"))
     args = parser.parse_args(argv)
 
     load_start = os.getloadavg()

@@ -10,7 +10,7 @@ Sampled play is seeded (``--eval-seed``), the same seed at every temperature. ``
 with ``LLMAgent(constrain_actions=True)``.
 
     python benchmarks/bench_alfworld_sampling.py --seeds 0 1 2 --temperatures 0.6 0.8 1.0 1.25 \\
-        --constrain-actions --output benchmarks/results/alfworld_sampling_fresh.json
+        --constrain-actions --output benchmarks/results/alfworld_selection/alfworld_sampling_fresh.json
 
 Seeds can run in parallel processes (one ``--seeds`` and ``--output`` each), then ``--merge`` them. The
 summary gives, per temperature, each seed's success and the mean over seeds; ``best`` is the temperature
@@ -18,7 +18,7 @@ with the highest mean (on a tie, the one nearest 1). Each run keeps the ids of t
 policies played on the same games compare game by game (an exact sign test on the games only one won):
 
     python benchmarks/bench_alfworld_sampling.py --paired A_1152.json A_1280.json --vs B_1152.json B_1280.json \
-        --output benchmarks/results/a_vs_b.json
+        --output benchmarks/results/alfworld_selection/a_vs_b.json
 """
 
 from __future__ import annotations
@@ -207,7 +207,9 @@ def main() -> None:
         help="result files of policy A: compare them game by game with those of --vs",
     )
     parser.add_argument("--vs", type=Path, nargs="+", metavar="B", help="result files of policy B")
-    parser.add_argument("--output", type=Path, default=RESULTS / "alfworld_sampling_fresh.json")
+    parser.add_argument(
+        "--output", type=Path, default=RESULTS.parent / "alfworld_selection" / "alfworld_sampling_fresh.json"
+    )
     args = parser.parse_args()
     if any(t <= 0 for t in args.temperatures):
         parser.error(f"--temperatures must be > 0 (this measures sampled play), got {args.temperatures}")

@@ -23,8 +23,8 @@ started from and of its training data, the build's wall time (``cached`` when it
 platform facts that change the floats (docs/sft.md, Reproducibility). ``--compare`` an earlier result file to
 check that the same recipes rebuilt the same weights.
 
-    python benchmarks/bench_cold_start.py                       # 3 seeds x 2 envs -> results/cold_start.json
-    STREAMRL_CACHE=$(mktemp -d) python benchmarks/bench_cold_start.py --compare benchmarks/results/cold_start.json
+    python benchmarks/bench_cold_start.py                       # 3 seeds x 2 envs -> results/cold_start/cold_start.json
+    STREAMRL_CACHE=$(mktemp -d) python benchmarks/bench_cold_start.py --compare benchmarks/results/cold_start/cold_start.json
 
 Seeds can be built in parallel processes, each with its own ``--seeds`` and ``--output``; ``--merge`` then
 summarizes their checkpoints in one file, building and playing nothing::
@@ -50,7 +50,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results" / "cold_start"
 TARGETS = {"math_tir": {"greedy": 0.30, "sampled": 0.20}, "alfworld": {"sampled": 0.20}}
 """Issue 14's bars, per seed: Math-TIR test success greedy / sampled; ALFWorld sampled success on each eval split
 (and greedy play that does not loop on one invalid command)."""

@@ -20,7 +20,7 @@ Also measured, in the same run:
 - **log-probs**: the new path's sampled log-probs against the teacher-forced ``score`` (the learner's
   ``token_logprobs`` computation), max abs difference.
 
-Writes ``benchmarks/results/generation.json``:
+Writes ``benchmarks/results/generation/generation.json``:
 
     OMP_NUM_THREADS=1 python benchmarks/bench_generation.py [--models tiny smollm2-135m] [--repeats 7]
 """
@@ -213,7 +213,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--baseline-rev", default=BASELINE_REV)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "generation.json")
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "results" / "generation" / "generation.json"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     baseline = load_baseline(args.baseline_rev)

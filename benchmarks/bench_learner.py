@@ -2,7 +2,7 @@
 and data-parallel learner ranks.
 
     python benchmarks/bench_learner.py [--model tiny] [--episodes 64] [--micro 1024 4096 16384 65536]
-                                       [--ranks 1 2] [--repeats 1] [--out benchmarks/results/learner.json]
+                                       [--ranks 1 2] [--repeats 1] [--out benchmarks/results/learner/learner.json]
 
 The batch is real: ``--episodes`` Math-TIR training episodes played once by the model through the runtime
 (``Rollouts`` / ``collect`` on a streaming vector env, the env spec's prompt, context policy and generation
@@ -23,7 +23,7 @@ the demo's batches (``streamrl demo``: SPO++ on Math-TIR from the demo's cold-st
 ``--episodes`` per update, 4 mini-batches, lr 1e-4, full fine-tuning; the batch played with ``--seed``)::
 
     python benchmarks/bench_learner.py --versus 5f14592 [--episodes 64] [--repeats 8] [--seed 0]
-                                       [--out benchmarks/results/learner_versus.json]
+                                       [--out benchmarks/results/learner/learner_versus.json]
 
 ``REV``'s ``algorithms/learner.py`` and ``agents/logprobs.py`` are loaded from git as modules of their own, so
 both learners run in this process on the same batch and weights. Updates alternate between the two learners
@@ -336,10 +336,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.versus is not None:
-        args.out = args.out or HERE / "results" / "learner_versus.json"
+        args.out = args.out or HERE / "results" / "learner" / "learner_versus.json"
         versus(args)
         return
-    args.out = args.out or HERE / "results" / "learner.json"
+    args.out = args.out or HERE / "results" / "learner" / "learner.json"
     from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
 
     load_before = os.getloadavg()[0]

@@ -8,7 +8,7 @@ version and in both runs), never from the training curve alone.
 
     python benchmarks/bench_learning.py --seeds 0 1 2 --updates 60 --jobs 2
 
-writes ``benchmarks/results/learning.json``: per run the held-out curve and batch-success curve; per seed the
+writes ``benchmarks/results/learning/learning.json``: per run the held-out curve and batch-success curve; per seed the
 held-out success before/after and the paired difference to its control.
 """
 
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results" / "learning"
 
 
 def _command(args: argparse.Namespace, seed: int, lr: float, out: Path) -> list[str]:

@@ -16,7 +16,7 @@ for a given env-step rate (README, "Scaling out").
 
 Usage::
 
-    python benchmarks/bench_ray_envs.py                             # writes benchmarks/results/ray_envs.json
+    python benchmarks/bench_ray_envs.py                             # writes benchmarks/results/runtime/ray_envs.json
     python benchmarks/bench_ray_envs.py --sizes 1 --seconds 3 --repeats 1 --out /tmp/ray_envs.json  # smoke
 """
 
@@ -46,7 +46,9 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", type=int, default=[1, 2, 4, 8])
     parser.add_argument("--seconds", type=float, default=20.0, help="wall time per measurement")
     parser.add_argument("--repeats", type=int, default=3, help="measurements per point (median reported)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "ray_envs.json")
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "results" / "runtime" / "ray_envs.json"
+    )
     args = parser.parse_args()
     if min(args.sizes) < 1:
         parser.error(f"--sizes must be >= 1, got {args.sizes}")

@@ -39,7 +39,7 @@ bound bounds).
 
 Usage::
 
-    python benchmarks/bench_runtime.py                    # both setups -> benchmarks/results/runtime.json
+    python benchmarks/bench_runtime.py                    # both setups -> benchmarks/results/runtime/runtime.json
     python benchmarks/bench_runtime.py --setups latency --trajectories 32 --warmup 8 --arms grpo-sync spo++-any
     python benchmarks/bench_runtime.py --measure-turns    # re-measure ALFWorld's turn distribution (~6 min)
 """
@@ -434,7 +434,9 @@ def main() -> None:
     parser.add_argument(
         "--measure-turns", action="store_true", help="only re-measure ALFWORLD_TURNS and print it"
     )
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "runtime.json")
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "results" / "runtime" / "runtime.json"
+    )
     args = parser.parse_args()
     if args.measure_turns:
         measured = measure_turns()

@@ -196,7 +196,9 @@ def main() -> None:
     parser.add_argument(
         "--baseline", default="f75eb7c", help="git revision whose envs/sandbox.py is the baseline"
     )
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "sandbox.json")
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "results" / "envs" / "sandbox.json"
+    )
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # measure only, print JSON (as a user)
     args = parser.parse_args()
     if args.calls < 5 or args.blocks < 1:

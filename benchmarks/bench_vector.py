@@ -19,7 +19,7 @@ The machine is shared (2 cores); the JSON records the load average before and af
 
 Usage::
 
-    python benchmarks/bench_vector.py                      # both envs, writes benchmarks/results/vector.json
+    python benchmarks/bench_vector.py                      # both envs, writes benchmarks/results/runtime/vector.json
     python benchmarks/bench_vector.py --envs math --seconds 5 --sizes 1 2
 """
 
@@ -466,7 +466,9 @@ def main() -> None:
     parser.add_argument(
         "--transport", action="store_true", help="only redo the echo-env transport measurement"
     )
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "vector.json")
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "results" / "runtime" / "vector.json"
+    )
     args = parser.parse_args()
     if args.transport:
         args.envs = []

@@ -1,7 +1,7 @@
 """Generation throughput of the vLLM backend next to the Hugging Face backend, engine start-up, adapter loads.
 
     python benchmarks/bench_vllm.py [--models tiny smollm2-135m] [--new-tokens 64] [--reps 3]
-                                    [--out benchmarks/results/vllm.json]
+                                    [--out benchmarks/results/generation/vllm.json]
 
 Per model: ``VLLMBackend`` start-up time (engine processes, weights, KV cache, warm-up), then generation
 tokens/s at batch 1 and batch 8 (chat prompts, temperature 1, ``--new-tokens`` new tokens at most; tokens/s
@@ -138,7 +138,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["tiny", "smollm2-135m"])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "vllm.json")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "generation" / "vllm.json")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

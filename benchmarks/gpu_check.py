@@ -24,7 +24,7 @@ For when a GPU machine is at hand (CI has none). What it does and records:
    not installed.
 
 Exit status 0 when every check passed or there is no GPU; 1 when a check failed. Writes
-``benchmarks/results/gpu_check.json`` (``gpu_check_cpu.json`` for ``--device cpu``).
+``benchmarks/results/gpu/gpu_check.json`` (``gpu_check_cpu.json`` for ``--device cpu``).
 """
 
 from __future__ import annotations
@@ -186,7 +186,9 @@ def main() -> int:
     if device == "cpu":
         torch.set_num_threads(1)
     sys.path.insert(0, str(HERE))
-    out = args.out or HERE / "results" / ("gpu_check.json" if device == "cuda" else "gpu_check_cpu.json")
+    out = args.out or HERE / "results" / "gpu" / (
+        "gpu_check.json" if device == "cuda" else "gpu_check_cpu.json"
+    )
     report: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -1,5 +1,5 @@
 """Speed patches for TextWorld's PDDL engine (byte-identical transcripts; the speed-ups on ALFWorld rooms:
-``docs/alfworld.md`` §4, ``benchmarks/results/alfworld.json``) and a disk cache of the PDDL->SAS translation.
+``docs/alfworld.md`` §4, ``benchmarks/results/envs/alfworld.json``) and a disk cache of the PDDL->SAS translation.
 
 TextWorld 1.7's ``PddlEnv`` spends almost all of its time re-doing pure work:
 
@@ -29,7 +29,7 @@ TextWorld 1.7's ``PddlEnv`` spends almost all of its time re-doing pure work:
    deep-copies rules before use).
 
 The translation wrapper also restores ``sys.argv``, which ``fast_downward.pddl2sas`` overwrites for good.
-Where the time goes: ``docs/alfworld.md`` §4; measurements: ``benchmarks/results/alfworld.json``. The
+Where the time goes: ``docs/alfworld.md`` §4; measurements: ``benchmarks/results/envs/alfworld.json``. The
 golden-transcript test in ``tests/test_alfworld_env.py`` checks that transcripts are byte-identical with and
 without the patches.
 
