@@ -1,18 +1,37 @@
 """Env specs: which gym env, splits, prompt format, context policy and expert belong to an env name.
 
 An ``LLMAgent`` plays an env well only through the prompt format and context policy it was trained with, and
-the SFT cold start clones an expert through exactly that rendering. ``EnvSpec`` binds the four together per
-env name (``ENV_SPECS``; ``register_env_spec`` adds your own), so teacher forcing
-(``streamrl.agents.teacher_forcing``), SFT training (``streamrl.algorithms.sft``), evaluation
+the SFT cold start clones an expert through exactly that rendering. ``EnvSpec`` binds them together per env
+name (``ENV_SPECS``; ``register_env_spec`` adds your own), so teacher forcing
+(``streamrl.agents.teacher_forcing``), SFT training (``streamrl.sft``), evaluation
 (``streamrl.evaluation.harness``) and the trainer build the same env, agent and task list from one name.
 ``play_tasks`` is the one loop that plays a spec's tasks with an LLM agent.
+
+Your own env trains in three steps: subclass ``streamrl.envs.base.TextEnv``, register it with
+``gymnasium.register``, and give it a prompt format::
+
+    gym.register(id="examples/GuessNumber-v0", entry_point=GuessNumberEnv)
+    register_env_spec("guess_number", EnvSpec(gym_id="examples/GuessNumber-v0", prompt=GuessPrompt))
+    train(TrainConfig(env="guess_number", init="base", out="runs/guess"))
+
+Everything else in ``EnvSpec`` has a default (one task set without a ``split=`` keyword, SPO++'s whole-episode
+context, 64 new tokens a turn, no expert). ``env_spec`` also takes ``"module:name"`` and ``"path/file.py:name"``,
+as ``gymnasium.make`` takes ``"module:EnvName-v0"``: it imports the module, whose import registers the spec, so
+``streamrl train --env my_pkg.my_env:guess_number`` trains an env the command line has never heard of
+(``examples/custom_env.py``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import importlib.util
 import random
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from streamrl.agents.base import Agent, GenerationBackend, SamplingParams
@@ -22,18 +41,51 @@ from streamrl.agents.rollout import LockstepResult, play_lockstep
 
 
 @dataclass(frozen=True)
+class _SamePrompt:
+    """A prompt format given as an instance, as the zero-argument factory ``EnvSpec.prompt`` holds (prompt
+    formats are frozen: every agent may share one)."""
+
+    format: PromptFormat
+
+    def __call__(self) -> PromptFormat:
+        return self.format
+
+
+@dataclass(frozen=True)
 class EnvSpec:
-    """How the agents layer plays one env: gym id, splits, prompt format, context policy, expert."""
+    """How the agents layer plays one env: gym id, prompt format, and (with defaults) splits, context policy,
+    turn budget and expert.
+
+    Only ``gym_id`` and ``prompt`` are required: ``EnvSpec(gym_id="examples/GuessNumber-v0", prompt=GuessPrompt)``
+    trains with ``init="base"``. The built-in specs set every field they use explicitly.
+    """
 
     gym_id: str
-    train_split: str
-    eval_splits: tuple[str, ...]
+    """The registered Gymnasium id (``gymnasium.register``), or ``"module:Name-v0"`` as ``gymnasium.make`` takes."""
     prompt: Callable[[], PromptFormat]
-    context: ContextPolicy
-    max_new_tokens: int
-    expert: Callable[[Any], Agent]
-    """Builds the expert for a given env instance (the Math solver needs the env's task records)."""
+    """The prompt format (``streamrl.agents.prompts.PromptFormat``): what the policy is told and how its text
+    becomes an action. A zero-argument factory (e.g. the class) or an instance, which every agent then shares."""
+    train_split: str = "train"
+    """The split RL trains on (and SFT clones the expert on)."""
+    eval_splits: tuple[str, ...] = ("train",)
+    """Held-out splits, the first the trainer's default ``eval_split``. The default, the training split, suits an
+    env with one task set; an env with splits names its held-out ones here (and sets ``split_keyword``)."""
+    split_keyword: str | None = None
+    """The keyword of the env's constructor that selects a split (``"split"`` for streamrl's envs:
+    ``gym.make(gym_id, split="test")``); ``None``: the env takes no split, every split plays its one task set,
+    so ``train_split`` and ``eval_splits`` must then all be one name (a label)."""
+    context: ContextPolicy = field(default_factory=ContextPolicy)
+    """What the policy sees at each turn; the default is SPO++'s: the whole episode in one sequence (one
+    training row per episode, the cheapest for the learner), up to 4096 tokens."""
+    max_new_tokens: int = 64
+    """Tokens the policy may generate in one turn (the prompt format's stop strings may end it sooner): a line
+    of text or a short command. Raise it for envs whose turns are long (code, reasoning)."""
+    expert: Callable[[Any], Agent] | None = None
+    """Builds the expert for a given env instance (the Math solver needs the env's task records): the agent the
+    SFT cold start (``init="sft"``) clones and ``streamrl eval --agent expert`` plays; ``None``: the env has no
+    expert, so runs start from the model as it is (``init="base"``)."""
     env_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the env's constructor on every split (``make_kwargs``)."""
     task_filter: Callable[[Any], Callable[[str], bool]] | None = None
     """Given an env instance, a predicate on task ids: the tasks SFT trains on and ``evaluate`` plays."""
     synthetic_tasks: Callable[[int, int], dict[str, Any]] | None = None
@@ -51,6 +103,64 @@ class EnvSpec:
     """``(expert action, info, rng) -> command``: a near miss of the expert's action that the env rejects (the
     state stays as it was), for the slip-and-recover demonstrations of ``SFTConfig.expert_slips``; ``None``
     from the callable when the action has no such near miss, ``None`` here when the env has none."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.gym_id, str) or not self.gym_id:
+            raise ValueError(
+                f"gym_id must be a registered gymnasium id (a non-empty str), got {self.gym_id!r}"
+            )
+        prompt = self.prompt
+        if not isinstance(prompt, type) and isinstance(prompt, PromptFormat):
+            object.__setattr__(self, "prompt", _SamePrompt(prompt))
+        elif not callable(prompt):
+            raise TypeError(
+                f"prompt must be a PromptFormat or a zero-argument callable returning one, got {prompt!r}"
+            )
+        made = self.prompt()
+        if not isinstance(made, PromptFormat):
+            raise TypeError(
+                f"prompt {prompt!r} made {made!r}, not a PromptFormat (it needs name, stop_strings, "
+                "system_prompt, user_message and parse_action: streamrl.agents.prompts.PromptFormat)"
+            )
+        eval_splits = self.eval_splits
+        if (
+            isinstance(eval_splits, str)
+            or not eval_splits
+            or not all(isinstance(s, str) for s in eval_splits)
+        ):
+            raise ValueError(f"eval_splits must be a non-empty tuple of split names, got {eval_splits!r}")
+        object.__setattr__(self, "eval_splits", tuple(eval_splits))
+        if self.split_keyword is None and set(self.eval_splits) != {self.train_split}:
+            raise ValueError(
+                f"eval_splits={self.eval_splits} name splits other than train_split={self.train_split!r}, but "
+                "split_keyword is None: the env takes no split, so every split would play the same tasks. Set "
+                "split_keyword to the env constructor's keyword that selects a split (e.g. 'split'), or leave "
+                "the splits at their defaults"
+            )
+        if not isinstance(self.context, ContextPolicy):
+            raise TypeError(f"context must be a ContextPolicy, got {self.context!r}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.expert is not None and not callable(self.expert):
+            raise TypeError(f"expert must be None or a callable (env) -> Agent, got {self.expert!r}")
+
+    @property
+    def splits(self) -> tuple[str, ...]:
+        """Every split this spec names: the training split first, then the held-out ones."""
+        return tuple(dict.fromkeys((self.train_split, *self.eval_splits)))
+
+    def make_kwargs(self, split: str, **overrides: Any) -> dict[str, Any]:
+        """The ``gymnasium.make`` keyword arguments of this env on ``split``: the split (under ``split_keyword``,
+        if the env takes one), then ``env_kwargs``, then ``overrides``. For an env without splits, ``split``
+        must be one of its split labels (a ``ValueError`` names them)."""
+        if self.split_keyword is None:
+            if split not in self.splits:
+                raise ValueError(
+                    f"split {split!r}: env {self.gym_id} has one task set and takes no split; valid: "
+                    f"{list(self.splits)}"
+                )
+            return {**self.env_kwargs, **overrides}
+        return {self.split_keyword: split, **self.env_kwargs, **overrides}
 
     @property
     def lists_actions(self) -> bool:
@@ -127,7 +237,7 @@ def _alfworld_extra_games(n: int, seed: int) -> dict[str, Any]:
     """Games ``128 .. 128 + n - 1`` of the generated ``train`` split: more rooms and goals of ALFRED's training
     floor plans, beyond the 128 games RL trains on (the SPO++ paper's training-set size); none is an eval game.
     A generated game depends only on its index, so every seed gets the same games (the seed still shuffles the
-    training order). Generated on first use (~0.5 CPU-second a game, cached with the split)."""
+    training order). Generated on first use and cached with the split."""
     from streamrl.envs.alfworld_gen import GenerationConfig, ensure_split
 
     if n < 0:
@@ -178,6 +288,7 @@ ENV_SPECS: dict[str, EnvSpec] = {
         gym_id="streamrl/ALFWorld-v0",
         train_split="train",
         eval_splits=("eval_seen", "eval_unseen"),
+        split_keyword="split",
         # The expert (ALFWorldSearchAgent) decides from the task, the room description (both in the first
         # observation, which a window always keeps), the current observation and the admissible commands, so
         # the policy sees exactly that: a window of one past turn, and the admissible commands without the
@@ -200,6 +311,7 @@ ENV_SPECS: dict[str, EnvSpec] = {
         gym_id="streamrl/MathTIR-v0",
         train_split="train",
         eval_splits=("test",),
+        split_keyword="split",
         prompt=MathTIRPrompt,
         context=ContextPolicy(mode="full", max_context_tokens=2048),
         max_new_tokens=160,
@@ -221,8 +333,11 @@ def register_env_spec(name: str, spec: EnvSpec, *, replace: bool = False) -> Non
     """Make ``spec`` known as env ``name``: then ``make_env(name, ...)``, ``evaluate`` and the trainer
     (``TrainConfig(env=name)``) play it. This is how your own gym env becomes trainable. A taken name raises
     unless ``replace`` (the built-in names cannot be replaced)."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"env name must be a non-empty str, got {name!r}")
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(
+            f"env name must be a non-empty str without ':' (which separates a module from a name in "
+            f"'module:name'), got {name!r}"
+        )
     if not isinstance(spec, EnvSpec):
         raise TypeError(f"spec must be an EnvSpec, got {type(spec).__name__}")
     if name in _BUILTIN_SPECS or (name in ENV_SPECS and not replace):
@@ -235,19 +350,79 @@ def register_env_spec(name: str, spec: EnvSpec, *, replace: bool = False) -> Non
 
 
 def env_spec(name: str) -> EnvSpec:
-    """The spec of env ``name``; a ``ValueError`` naming the valid names if there is none."""
-    if name not in ENV_SPECS:
-        raise ValueError(f"unknown env {name!r}; valid: {sorted(ENV_SPECS)}")
-    return ENV_SPECS[name]
+    """The spec of env ``name``: a registered name, or ``"module:name"`` / ``"path/file.py:name"``, which first
+    imports the module (``import_user_module``), whose import registers ``name`` (as ``gymnasium.make`` imports
+    the module of ``"module:EnvName-v0"``). A ``ValueError`` names the valid names if there is none."""
+    if name in ENV_SPECS:
+        return ENV_SPECS[name]
+    if isinstance(name, str) and ":" in name:
+        where, _, key = name.rpartition(":")
+        import_user_module(where)
+        if key not in ENV_SPECS:
+            raise ValueError(
+                f"env {name!r}: importing {where!r} registered no env named {key!r} (register_env_spec); "
+                f"registered: {sorted(ENV_SPECS)}"
+            )
+        return ENV_SPECS[key]
+    raise ValueError(
+        f"unknown env {name!r}; valid: {sorted(ENV_SPECS)}, or 'module:name' / 'file.py:name' for an env "
+        "that module registers (register_env_spec)"
+    )
+
+
+def import_user_module(where: str) -> ModuleType:
+    """The module ``where`` names: a dotted module path (``importlib.import_module``) or a ``.py`` file, run
+    once per resolved path however often it is named (under ``streamrl_user_<stem>_<hash>``, the name
+    ``--algo file.py:Class`` gives it too). A file's module is also pickled by value (``cloudpickle``), so
+    the env classes it defines reach subprocess and Ray env workers, which cannot import it by name."""
+    if not where.endswith(".py"):
+        try:
+            return importlib.import_module(where)
+        except ImportError as exc:
+            raise ValueError(f"cannot import module {where!r}: {exc}") from exc
+    path = Path(where)
+    if not path.is_file():
+        raise ValueError(f"module file {where!r} does not exist (relative to {Path.cwd()})")
+    resolved = str(path.resolve())
+    name = f"streamrl_user_{path.stem}_{hashlib.sha1(resolved.encode()).hexdigest()[:8]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    import cloudpickle
+
+    cloudpickle.register_pickle_by_value(module)
+    return module
+
+
+def expert_factory(name: str) -> Callable[[Any], Agent]:
+    """What builds the expert of env ``name`` for an env instance (``EnvSpec.expert``); a ``ValueError`` when
+    the env has none, naming the envs that have one."""
+    spec = env_spec(name)
+    if spec.expert is None:
+        with_expert = sorted(n for n, s in ENV_SPECS.items() if s.expert is not None)
+        raise ValueError(
+            f"env {name!r} has no expert (EnvSpec.expert is None): nothing to clone (SFT) or play as the "
+            f"expert; envs with one: {with_expert}"
+        )
+    return spec.expert
 
 
 def make_env(name: str, split: str, **kwargs: Any) -> Any:
-    """The gym env of ``name`` on ``split`` (with the spec's extra kwargs, then ``kwargs``)."""
+    """The gym env of ``name`` on ``split`` (``EnvSpec.make_kwargs``: the split, the spec's extra kwargs, then
+    ``kwargs``)."""
     import gymnasium as gym
     import streamrl.envs  # noqa: F401  (registers the ids)
 
     spec = env_spec(name)
-    return gym.make(spec.gym_id, split=split, **{**dict(spec.env_kwargs), **kwargs})
+    return gym.make(spec.gym_id, **spec.make_kwargs(split, **kwargs))
 
 
 def task_ids_of(env: Any, env_name: str | None = None) -> list[str]:

@@ -178,6 +178,7 @@ def latency_env_spec(**env_kwargs: Any) -> EnvSpec:
         gym_id="streamrl/Latency-v0",
         train_split="train",
         eval_splits=("test",),
+        split_keyword="split",
         prompt=LatencyPrompt,
         context=ContextPolicy(mode="full", max_context_tokens=4096),
         max_new_tokens=24,

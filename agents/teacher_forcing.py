@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from streamrl.agents.base import Agent, EpisodeId, Generation, SamplingParams
-from streamrl.agents.env_specs import env_spec, make_env, task_ids_of
+from streamrl.agents.env_specs import env_spec, expert_factory, make_env, task_ids_of
 from streamrl.agents.llm_agent import ContextPolicy, LLMAgent
 from streamrl.agents.prompts import PromptFormat
 from streamrl.agents.rollout import play_episode
@@ -185,6 +185,7 @@ def expert_trajectories(
     included (``TeacherForcedAgent``; needs ``EnvSpec.slip_action``).
     """
     spec = env_spec(env_name)
+    make_expert = expert_factory(env_name)
     if replays < 1:
         raise ValueError(f"replays must be >= 1, got {replays}")
     if noise and spec.random_action is None:
@@ -209,7 +210,7 @@ def expert_trajectories(
     try:
         for source_env, source_ids, source_noise, source_seed in sources:
             agent = TeacherForcedAgent(
-                spec.expert(source_env),
+                make_expert(source_env),
                 tokenizer,
                 spec.prompt(),
                 spec.context,

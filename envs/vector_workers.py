@@ -87,12 +87,16 @@ class EnvFactory:
     worker; ``EnvFactory(fn=make_my_env)`` calls ``fn()``. Ids of the form ``"module:Name-v0"`` import
     ``module`` first, as ``gym.make`` does. Callables travel with ``cloudpickle``, so lambdas and closures
     work with ``spawn``/``forkserver``. An unknown id fails here, in the parent, with Gymnasium's
-    suggestion of close names, rather than later inside a worker.
+    suggestion of close names, rather than later inside a worker. The id's registration (its
+    ``gymnasium`` ``EnvSpec``) is looked up here too and travels with the factory, so a worker builds an env
+    registered only in the parent (by a script's ``gym.register``, or a module imported from a file).
     """
 
     env_id: str | None = None
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     fn: Callable[[], gym.Env] | None = None
+    registration: gym.envs.registration.EnvSpec | None = field(default=None, compare=False, repr=False)
+    """The parent's registration of ``env_id`` (set from it; ``gym.make`` builds the env from it)."""
 
     def __post_init__(self) -> None:
         if (self.env_id is None) == (self.fn is None):
@@ -106,7 +110,7 @@ class EnvFactory:
             if self.kwargs:
                 raise ValueError("EnvFactory.kwargs only applies to env_id; bind arguments into fn instead")
         else:
-            _check_registered(str(self.env_id))
+            object.__setattr__(self, "registration", _registration(str(self.env_id)))
 
     @classmethod
     def coerce(cls, value: EnvFactory | str | Callable[[], gym.Env]) -> EnvFactory:
@@ -126,7 +130,7 @@ class EnvFactory:
         if self.fn is not None:
             env = self.fn()
         else:
-            env = gym.make(str(self.env_id), **dict(self.kwargs))
+            env = gym.make(self.registration or str(self.env_id), **dict(self.kwargs))
         if not isinstance(env, gym.Env):
             raise TypeError(f"{self!r} produced {type(env).__name__}, not a gymnasium.Env")
         return env
@@ -139,7 +143,7 @@ class EnvFactory:
         return getattr(self.fn, "__qualname__", repr(self.fn))
 
 
-def _check_registered(env_id: str) -> None:
+def _registration(env_id: str) -> gym.envs.registration.EnvSpec:
     # Same parsing as gym.make: "pkg.module:Name-v0" imports pkg.module (which registers Name-v0).
     name = env_id
     if ":" in env_id:
@@ -148,7 +152,7 @@ def _check_registered(env_id: str) -> None:
             importlib.import_module(module)
         except ImportError as e:
             raise gym.error.Error(f"env id {env_id!r}: cannot import module {module!r} ({e})") from e
-    gym.spec(name)  # raises NameNotFound / VersionNotFound with close-match suggestions
+    return gym.spec(name)  # raises NameNotFound / VersionNotFound with close-match suggestions
 
 
 # --------------------------------------------------------------------------------------------------------
