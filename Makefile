@@ -22,7 +22,7 @@ lint:
 	$(VENV)/bin/ruff format --check .
 
 typecheck:
-	$(VENV)/bin/mypy envs agents algorithms evaluation
+	$(VENV)/bin/mypy utils envs agents sft algorithms evaluation cli
 
 pytest:
 	scripts/pytest.sh

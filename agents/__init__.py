@@ -1,7 +1,7 @@
 """streamrl.agents: who acts — the Agent protocol, LLM agents on Hugging Face transformers (embedded
 default) or vLLM, prompt formats and parsers, LoRA adapters, the model registry, scripted agents, the env
 specs that bind an env to its prompt format and expert, and teacher-forced expert data (the SFT cold
-start's data; its training is ``streamrl.algorithms.sft``).
+start's data; its training is ``streamrl.sft``).
 
 Names are re-exported lazily, so ``import streamrl.agents`` does not import torch until a model-backed
 name is used.

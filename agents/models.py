@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from streamrl.envs.cache import atomic_dir, cache_root, file_lock
+from streamrl.utils.cache import atomic_dir, cache_root, file_lock
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -78,7 +78,7 @@ class TinyModelConfig:
     """Shape and seeds of the ``tiny`` model. Every field is part of the cache key.
 
     Defaults give ~2.1 M parameters (tied embeddings): big enough to behaviour-clone the expert agents in a
-    few CPU minutes (``streamrl.algorithms.sft``), small enough to generate fast on one core
+    few CPU minutes (``streamrl.sft``), small enough to generate fast on one core
     (docs/platform.md, Models).
     """
 
@@ -141,7 +141,7 @@ def build_once(target: Path, build: Callable[[Path], None]) -> Path:
     """Return ``target``, first calling ``build(tmp_dir)`` and renaming ``tmp_dir`` to ``target`` if it is missing.
 
     A lock file beside ``target`` serializes concurrent builders (threads or processes); a failed build
-    leaves nothing behind. Used for models here and for SFT checkpoints in ``streamrl.algorithms.sft``.
+    leaves nothing behind. Used for models here and for SFT checkpoints in ``streamrl.sft``.
     """
     if target.is_dir():
         return target
@@ -338,10 +338,10 @@ def build_tiny(
 
 
 def build_tiny_reproducibly(out_dir: Path) -> None:
-    """``build_tiny`` in a fresh interpreter on the AVX2 kernel path (``streamrl.agents.reproducible``), so
+    """``build_tiny`` in a fresh interpreter on the AVX2 kernel path (``streamrl.utils.reproducible``), so
     that every x86-64 CPU builds the same weights; on a CPU off that path it is built on its own kernels,
     with a warning."""
-    from streamrl.agents.reproducible import run_in_reproducible_interpreter
+    from streamrl.utils.reproducible import run_in_reproducible_interpreter
 
     run_in_reproducible_interpreter(
         "streamrl.agents.models:build_tiny",

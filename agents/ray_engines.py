@@ -64,7 +64,8 @@ from streamrl.agents.vllm_backend import (
     probe_token_ids,
     read_adapter_probe,
 )
-from streamrl.envs.ray_workers import DEFAULT_ACTOR_OPTIONS, node_address, require_ray
+from streamrl.envs.ray_workers import DEFAULT_ACTOR_OPTIONS
+from streamrl.utils.ray import node_address, require_ray
 
 __all__ = ["EngineStartError", "RayEngines", "RolloutEngine"]
 

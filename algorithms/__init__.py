@@ -45,7 +45,6 @@ from streamrl.algorithms.losses import (
     ppo_clip_token_loss,
     ppo_policy_loss,
     rollout_importance_weights,
-    sft_loss,
 )
 from streamrl.algorithms.tracker import (
     EventTracker,
@@ -106,7 +105,6 @@ __all__ = [
     "ppo_policy_loss",
     "rollout_importance_weights",
     "sampling_weights",
-    "sft_loss",
     "spo_retention",
     "token_mean_residual",
     "token_measure_normalize",

@@ -8,21 +8,16 @@ Sections (§), test oracles (T1-T13) and project decisions (D1-D18) cited below 
 ``docs/reference.md``: §1.1 PPO-clip + Dual-Clip (verl ``compute_policy_loss_vanilla``; Ye et al. 2020),
 §1.2 aggregation (verl ``agg_loss``, TRL ``loss_type``), §1.3 KL estimators (Schulman; verl ``kl_penalty``),
 §4.4 and §6 rollout importance weights (SPO++; verl ``rollout_is``; AReaL decoupled PPO), §5.1 SAO's DIS,
-§5.2 clipped value loss (verl). ``sft_loss``, the behaviour-cloning loss of the SFT cold start, takes the
-model and token sequences rather than per-token tensors.
+§5.2 clipped value loss (verl). The behaviour-cloning loss of the SFT cold start is ``streamrl.sft.loss``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
 import torch
-from streamrl.agents.batch import collate
-from streamrl.agents.logprobs import selected_token_logprobs
-from streamrl.agents.trajectory import TokenSequence
 from torch import Tensor
 
 LOG_RATIO_CLAMP = 20.0
@@ -586,31 +581,3 @@ def clipped_value_loss(
         explained_variance=explained,
         num_tokens=int(mask.sum()),
     )
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Behaviour cloning (SFT cold start, ``streamrl.algorithms.sft``)
-# ---------------------------------------------------------------------------------------------------------
-
-
-def sft_loss(
-    model: Any, batch: Sequence[TokenSequence], pad_token_id: int, context_weight: float = 0.0
-) -> tuple[torch.Tensor, int]:
-    """Behaviour-cloning loss: the mean negative log-likelihood of the action tokens of ``batch`` (``collate``d),
-    plus ``context_weight`` times the mean NLL of its other tokens (``SFTConfig.context_weight``); returns
-    (loss, action tokens). Each mean is over its tokens of the whole batch (token-mean aggregation).
-
-    Logits are computed only where they are needed (``selected_token_logprobs``): at the positions whose next
-    token is an action token, or at every position when ``context_weight`` is non-zero.
-    """
-    device = next(model.parameters()).device
-    padded = collate(batch, pad_token_id).to(device)
-    select = padded.target_mask if context_weight else padded.action_mask
-    lp = selected_token_logprobs(model, padded.input_ids, padded.attention_mask, select)
-    if not context_weight:
-        return -lp.mean(), int(lp.numel())
-    is_action = padded.action_mask[select]
-    loss = -lp[is_action].mean()
-    if not bool(is_action.all()):
-        loss = loss - context_weight * lp[~is_action].mean()
-    return loss, int(is_action.sum())

@@ -45,7 +45,7 @@ from typing import Any
 
 import psutil
 from streamrl.algorithms.distributed import Backend, LearnerRank, LearnerSpec, free_port
-from streamrl.envs.ray_workers import node_address, require_ray
+from streamrl.utils.ray import node_address, require_ray
 
 __all__ = ["RankActor", "RayRank", "RayRanks"]
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from streamrl.envs.cache import atomic_write_text
+from streamrl.utils.cache import atomic_write_text
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"

@@ -49,12 +49,12 @@ from streamrl.algorithms.base import Algorithm, Episode, SetupContext, algorithm
 from streamrl.algorithms.learner import Learner, LearnerConfig
 from streamrl.algorithms.runtime import Finished, Job, Rollouts, collect
 from streamrl.algorithms.tracker import EventTracker, Ticket
-from streamrl.envs.cache import atomic_write_text
 from streamrl.evaluation.stats import clustered_t_interval, t_interval
+from streamrl.utils.cache import atomic_write_text
 
 if TYPE_CHECKING:
-    from streamrl.algorithms.sft import SFTConfig
     from streamrl.envs.vector import VectorEnvConfig
+    from streamrl.sft import SFTConfig
 
 BackendName = Literal["hf", "vllm"]
 Init = Literal["sft", "base"]
@@ -226,7 +226,7 @@ def initial_model_dir(
     from streamrl.agents.models import resolve_model
 
     if init == "sft":
-        from streamrl.algorithms.sft import sft_checkpoint
+        from streamrl.sft import sft_checkpoint
 
         return Path(sft_checkpoint(sft_recipe(model, env, sft or {}), log=log))
     if init != "base":
@@ -240,7 +240,7 @@ def sft_recipe(model: str, env: str, overrides: Mapping[str, Any]) -> SFTConfig:
     """``SFTConfig.for_env(env, model=model, **overrides)``, with an unknown or invalid override named."""
     from dataclasses import fields as dataclass_fields
 
-    from streamrl.algorithms.sft import SFTConfig
+    from streamrl.sft import SFTConfig
 
     valid = {f.name for f in dataclass_fields(SFTConfig)} - {"model"}
     unknown = sorted(set(overrides) - valid)
@@ -518,7 +518,7 @@ class Trainer:
                 f"learner_cpus={c.learner_cpus!r}, learner_gpus={c.learner_gpus!r} are the resources of learner "
                 "ranks 1..R-1 (Ray actors); this run has learner_ranks=1 (its learner is this process)"
             )
-        from streamrl.envs.ray_workers import require_ray
+        from streamrl.utils.ray import require_ray
 
         try:
             require_ray()
@@ -540,7 +540,7 @@ class Trainer:
             policy = load_model(self.model_dir)
         self._ray_connected = False
         if c.cluster == "ray":  # before the learner: its ranks may be Ray actors
-            from streamrl.envs.ray_workers import connect
+            from streamrl.utils.ray import connect
 
             self._ray_connected = connect(c.address)  # and so this trainer disconnects at close()
         total_steps = c.updates * c.learner.mini_batches * c.learner.epochs
@@ -1142,7 +1142,7 @@ class Trainer:
         import hashlib
 
         from streamrl.agents.models import weights_fingerprint
-        from streamrl.envs.cache import cache_root
+        from streamrl.utils.cache import cache_root
 
         key = json.dumps(
             [
@@ -1347,7 +1347,7 @@ class Trainer:
 
     def _truncate_metrics(self, updates: int) -> None:
         """Drop the metrics rows of updates after ``updates`` (and a row cut by a kill): they are run again."""
-        from streamrl.envs.cache import atomic_write_text
+        from streamrl.utils.cache import atomic_write_text
 
         path = self.run_dir / "metrics.jsonl"
         if not path.is_file():

@@ -4,7 +4,7 @@ memory per env, and scripted-agent success rates.
     python benchmarks/bench_alfworld.py [--games 12] [--steps 30] [--out benchmarks/results/envs/alfworld.json]
 
 Per game, a seeded random agent's admissible commands are recorded once and replayed on both engines
-(their transcripts are identical; ``tests/test_alfworld_env.py`` checks that). Times are wall-clock on
+(their transcripts are identical; ``tests/envs/test_alfworld_env.py`` checks that). Times are wall-clock on
 whatever else the machine is running; the load average is recorded next to them.
 """
 

@@ -58,7 +58,7 @@ def seed_entry(seed: int, overrides: Mapping[str, Any], args: argparse.Namespace
     every temperature."""
     import torch
     from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
-    from streamrl.algorithms.sft import SFTConfig, sft_checkpoint
+    from streamrl.sft import SFTConfig, sft_checkpoint
 
     config = SFTConfig.for_env("alfworld", seed=seed, **overrides)
     path = sft_checkpoint(config, log=lambda m: print(f"  [seed {seed}] {m}", file=sys.stderr, flush=True))

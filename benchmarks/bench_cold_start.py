@@ -194,7 +194,7 @@ def checkpoint_entry(
     """Build (or find) and evaluate the checkpoint of ``env``'s recipe with ``seed``."""
     import torch
     from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
-    from streamrl.algorithms.sft import SFTConfig, sft_checkpoint, weights_sha256
+    from streamrl.sft import SFTConfig, sft_checkpoint, weights_sha256
 
     config = SFTConfig.for_env(env, seed=seed, **overrides)
     started = time.perf_counter()
@@ -248,7 +248,7 @@ def checkpoint_entry(
 
 
 def _sft_dirs() -> list[Path]:
-    from streamrl.envs.cache import cache_root
+    from streamrl.utils.cache import cache_root
 
     root = cache_root() / "sft"
     return sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []

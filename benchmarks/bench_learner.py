@@ -239,7 +239,7 @@ def versus(args: argparse.Namespace) -> None:
     """Today's learner against revision ``args.versus`` on the demo's batches (module doc)."""
     from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
     from streamrl.algorithms.train import initial_model_dir
-    from streamrl.evaluation.demo import DEMO_COLD_START, DemoConfig
+    from streamrl.cli.demo import DEMO_COLD_START, DemoConfig
 
     rev = subprocess.run(
         ["git", "rev-parse", args.versus], cwd=HERE.parent, capture_output=True, text=True, check=True

@@ -27,7 +27,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "learning"
 
 def _command(args: argparse.Namespace, seed: int, lr: float, out: Path) -> list[str]:
     return [
-        sys.executable, "-c", "from streamrl.evaluation.cli import main; raise SystemExit(main())", "train",
+        sys.executable, "-c", "from streamrl.cli.main import main; raise SystemExit(main())", "train",
         "--out", str(out), "--env", args.env, "--algo", args.algo, "--updates", str(args.updates),
         "--batch", str(args.batch), "--num-envs", str(args.num_envs), "--seed", str(seed), "--lr", str(lr),
         "--eval-every", str(args.eval_every), "--eval-episodes", str(args.eval_episodes),

@@ -33,7 +33,7 @@ from typing import Any
 
 import ray
 from bench_vector import SETUPS, measure, run_streaming
-from streamrl.envs.ray_workers import local_ray_options
+from streamrl.utils.ray import local_ray_options
 
 BACKENDS = {"process": "subprocess", "ray": "ray"}
 

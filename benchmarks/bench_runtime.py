@@ -326,7 +326,7 @@ def _alfworld_init() -> str:
     """``sft`` when tiny's ALFWorld SFT checkpoint is already cached (building it is not this benchmark's
     business), else ``base``."""
     from streamrl.agents.models import cache_root, resolve_model
-    from streamrl.algorithms.sft import SFTConfig
+    from streamrl.sft import SFTConfig
 
     target = cache_root() / "sft" / f"{resolve_model('tiny').name}-sft-{SFTConfig.for_env('alfworld').key()}"
     return "sft" if target.is_dir() else "base"

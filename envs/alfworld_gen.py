@@ -45,7 +45,7 @@ from typing import Any, Literal, cast, get_args
 
 import alfworld.gen.constants as C
 import alfworld.gen.goal_library as glib
-from streamrl.envs.cache import atomic_dir, atomic_write_text, cache_root, file_lock
+from streamrl.utils.cache import atomic_dir, atomic_write_text, cache_root, file_lock
 
 __all__ = [
     "GENERATOR_VERSION",

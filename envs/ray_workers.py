@@ -23,8 +23,8 @@ return of every episode it held, marked ``truncated`` with ``info["error"]``.
   watches its parent). ``rss_bytes`` reads the actor's memory when it runs on this node (``max_rss_mb``);
   on other nodes Ray's own memory monitor is what guards a node.
 
-Actors start with ``OMP_NUM_THREADS=1`` (envs need no threads; many share a node). :func:`connect` joins a
-cluster (``ray.init``) unless this process already did.
+Actors start with ``OMP_NUM_THREADS=1`` (envs need no threads; many share a node).
+:func:`streamrl.utils.ray.connect` joins a cluster (``ray.init``) unless this process already did.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import sys
 import traceback
 from collections import deque
 from collections.abc import Mapping, Sequence
-from types import ModuleType
 from typing import Any
 
 import cloudpickle
@@ -51,57 +50,15 @@ from streamrl.envs.vector_workers import (
     WorkerHello,
     WorkerLost,
 )
+from streamrl.utils.ray import node_address, require_ray
 
-__all__ = ["RayWorker", "connect", "require_ray"]
-
-_INSTALL_HINT = "Ray is not installed: install the `ray` extra (`pip install 'streamrl[ray]'`, Ray 2.60.0)"
+__all__ = ["DEFAULT_ACTOR_OPTIONS", "RayWorker"]
 
 DEFAULT_ACTOR_OPTIONS: Mapping[str, Any] = {
     "num_cpus": 1,
     "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}},
 }
 """Options every worker actor gets unless ``VectorEnvConfig.ray_actor_options`` overrides them."""
-
-
-def require_ray() -> ModuleType:
-    """The ``ray`` module, or an ``ImportError`` that says how to install it."""
-    try:
-        import ray
-    except ImportError as exc:
-        raise ImportError(f"{_INSTALL_HINT} (import failed: {exc})") from exc
-    return ray
-
-
-def connect(address: str | None = None) -> bool:
-    """Join the Ray cluster at ``address`` (``ray.init``) unless this process already has; ``None`` starts a
-    local instance (or joins the one ``RAY_ADDRESS`` names). Returns whether this call connected, i.e.
-    whether the caller owns the connection (and should ``ray.shutdown()`` when done)."""
-    ray = require_ray()
-    if ray.is_initialized():
-        return False
-    ray.init(address=address, include_dashboard=False, logging_level="WARNING", **local_ray_options(address))
-    return True
-
-
-WORKER_NICENESS = 0
-"""The niceness of the Ray workers (actors) of a Ray instance streamrl starts. Ray's default, 15, gives an actor
-a few percent of a core next to a busy process at the default 0 -- the trainer, on the same node -- and an
-ALFWorld env actor then steps ~30x slower than a worker process (``benchmarks/bench_ray_envs.py``). For a
-cluster started with ``ray start``, set ``RAY_worker_niceness=0`` in its environment (README, Scaling out)."""
-
-
-def local_ray_options(address: str | None = None) -> dict[str, Any]:
-    """``ray.init`` options for a Ray instance this process starts (``address`` and ``RAY_ADDRESS`` unset):
-    workers at ``WORKER_NICENESS``. Empty when joining an existing cluster, whose settings are its own."""
-    if address is not None or os.environ.get("RAY_ADDRESS"):
-        return {}
-    return {"_system_config": {"worker_niceness": WORKER_NICENESS}}
-
-
-def node_address() -> str:
-    """This process's node as Ray names it (the IP address of the node it runs on)."""
-    ray = require_ray()
-    return str(ray.util.get_node_ip_address())
 
 
 class EnvActor:

@@ -30,7 +30,7 @@ TextWorld 1.7's ``PddlEnv`` spends almost all of its time re-doing pure work:
 
 The translation wrapper also restores ``sys.argv``, which ``fast_downward.pddl2sas`` overwrites for good.
 Where the time goes: ``docs/alfworld.md`` §4; measurements: ``benchmarks/results/envs/alfworld.json``. The
-golden-transcript test in ``tests/test_alfworld_env.py`` checks that transcripts are byte-identical with and
+golden-transcript test in ``tests/envs/test_alfworld_env.py`` checks that transcripts are byte-identical with and
 without the patches.
 
 Usage::
@@ -60,7 +60,7 @@ import fast_downward
 import textworld.envs.pddl.logic as _pddl_logic
 import textworld.envs.pddl.textgen as _textgen
 import textworld.logic as _tw_logic
-from streamrl.envs.cache import atomic_write_bytes, cache_root
+from streamrl.utils.cache import atomic_write_bytes, cache_root
 from textworld.utils import check_flag
 
 __all__ = [

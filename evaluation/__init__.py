@@ -1,2 +1,2 @@
-"""streamrl.evaluation: what was achieved — the evaluation harness, learning-curve metrics, reports and
-the ``streamrl`` command line."""
+"""streamrl.evaluation: what was achieved — the evaluation harness, statistics, learning-curve metrics and run
+comparisons with their reports (the ``streamrl`` command line that runs them is ``streamrl.cli``)."""

@@ -40,8 +40,13 @@ from streamrl.evaluation.curves import (
     summarize_curves,
     summary_table,
 )
-from streamrl.evaluation.demo import held_out_evaluations, paired_gain
-from streamrl.evaluation.stats import sample_sd
+from streamrl.evaluation.stats import (
+    ClusteredMeanInterval,
+    MeanInterval,
+    clustered_t_interval,
+    sample_sd,
+    t_interval,
+)
 
 
 @dataclass(frozen=True)
@@ -317,9 +322,49 @@ def _run_facts(run: Path) -> dict[str, Any]:
     }
 
 
+def held_out_evaluations(run: str | Path) -> dict[int, list[dict[str, Any]]]:
+    """The held-out evaluations' per-episode records by update (``evals/update-N.jsonl``)."""
+    run = Path(run)
+    files = sorted((run / "evals").glob("update-*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"{run} has no held-out evaluations (evals/update-*.jsonl)")
+    return {
+        int(f.stem.removeprefix("update-")): [json.loads(line) for line in f.read_text().splitlines()]
+        for f in files
+    }
+
+
+def _paired(
+    start: Sequence[Mapping[str, Any]], end: Sequence[Mapping[str, Any]]
+) -> tuple[list[float], list[str]]:
+    """The per-episode success differences end − start on the same episodes (by key), and their tasks."""
+    a = {r["key"]: (r["task_id"], float(r["won"])) for r in start}
+    b = {r["key"]: (r["task_id"], float(r["won"])) for r in end}
+    if a.keys() != b.keys() or any(a[k][0] != b[k][0] for k in a):
+        raise ValueError("the two evaluations did not play the same episodes (keys and tasks differ)")
+    keys = sorted(a)
+    return [b[k][1] - a[k][1] for k in keys], [a[k][0] for k in keys]
+
+
+def paired_gain(
+    start: Sequence[Mapping[str, Any]], end: Sequence[Mapping[str, Any]]
+) -> ClusteredMeanInterval:
+    """Mean per-episode success difference end − start on the same episodes, with its 95 % interval clustered by
+    task (``clustered_t_interval``; the demo plays every test task equally often, so it is the t interval over
+    the per-task mean differences)."""
+    return clustered_t_interval(*_paired(start, end))
+
+
+def paired_gain_by_episode(
+    start: Sequence[Mapping[str, Any]], end: Sequence[Mapping[str, Any]]
+) -> MeanInterval:
+    """``paired_gain``'s mean with the episode-level paired t interval (episodes taken as independent)."""
+    return t_interval(_paired(start, end)[0])
+
+
 def _held_out_gain(run: Path) -> dict[str, Any] | None:
     """The run's last held-out evaluation against its first, paired on the same episodes, with the 95 % interval
-    clustered by task (``demo.paired_gain``); ``None`` without two evaluations on the same episodes of two tasks
+    clustered by task (``paired_gain``); ``None`` without two evaluations on the same episodes of two tasks
     or more."""
     evals = held_out_evaluations(run) if (run / "evals").is_dir() and any((run / "evals").iterdir()) else {}
     if len(evals) < 2 or len({r["task_id"] for r in evals[min(evals)]}) < 2:

@@ -32,7 +32,7 @@ cd "$work/empty"
 export STREAMRL_CACHE="$work/cache" OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 found="$("$work/venv/bin/python" -c 'from importlib import resources; print(resources.files("streamrl.checkpoints"))')" ||
   { echo "wheel-smoke: the installed package has no streamrl.checkpoints" >&2; exit 1; }
-shipped="$("$work/venv/bin/python" -c 'from streamrl.algorithms.sft import SHIPPED; print(SHIPPED)')"
+shipped="$("$work/venv/bin/python" -c 'from streamrl.sft import SHIPPED; print(SHIPPED)')"
 case "$shipped" in
   "$work/venv/"*) ;;
   *) echo "wheel-smoke: the shipped checkpoints resolve to $shipped, not into the installed package" >&2; exit 1 ;;

@@ -1,12 +1,19 @@
-"""Shared test setup: one torch thread (a busy neighbour makes 2 threads 5-40x slower), offline hub; the
-``primed`` policy of the trainer tests."""
+"""Shared test setup: one torch thread (a busy neighbour makes 2 threads 5-40x slower), offline hub; ``tests/``
+on ``sys.path`` (for ``helpers``, ``vector_testenvs``); the fixtures several test modules use: the ``primed``
+policy of the trainer tests and the ``episodes`` of the learner tests."""
 
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+TESTS = Path(__file__).resolve().parent
+"""This folder: its ``helpers`` module and ``vector_testenvs`` are imported by test modules in its sub-folders."""
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
@@ -101,7 +108,7 @@ def primed(tmp_path_factory: pytest.TempPathFactory, math_tasks: list[str]) -> P
     from streamrl.agents.models import load_model, load_tokenizer, resolve_model
     from streamrl.agents.rollout import play_episode
     from streamrl.agents.teacher_forcing import TeacherForcedAgent, sequences_of
-    from streamrl.algorithms.sft import SFTConfig, train_sft
+    from streamrl.sft import SFTConfig, train_sft
 
     tokenizer = load_tokenizer(resolve_model("tiny"))
     spec = env_spec("math_tir")
@@ -147,3 +154,41 @@ def primed(tmp_path_factory: pytest.TempPathFactory, math_tasks: list[str]) -> P
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The ``episodes`` of the learner tests (test_learner_ddp, test_ray): five Math-TIR episodes of ``tiny``
+# ---------------------------------------------------------------------------------------------------------
+
+BASELINES = [0.9, 0.1, 0.6, 0.3, 0.75]
+"""Frozen task values on the tickets: ``tiny`` never wins, so SPO++'s advantages vary through these."""
+
+
+@pytest.fixture(scope="module")
+def episodes() -> list[Any]:
+    """Five Math-TIR training episodes of ``tiny`` (16 new tokens a turn), with the baselines above."""
+    from streamrl.agents.base import SamplingParams
+    from streamrl.agents.env_specs import env_spec, make_env, task_ids_of
+    from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
+    from streamrl.algorithms.base import Episode
+    from streamrl.algorithms.runtime import Job, Rollouts, collect
+    from streamrl.algorithms.tracker import Ticket
+    from streamrl.envs.vector import StreamingVectorEnv, VectorEnvConfig
+
+    spec = env_spec("math_tir")
+    probe = make_env("math_tir", spec.train_split)
+    tasks = task_ids_of(probe, "math_tir")[: len(BASELINES)]
+    probe.close()
+    backend = HFBackend("tiny", config=HFBackendConfig(device="cpu", seed=0))
+    venv = StreamingVectorEnv.from_env(
+        spec.gym_id, len(tasks), config=VectorEnvConfig(backend="inprocess"), split=spec.train_split
+    )
+    agent = spec.llm_agent(backend, SamplingParams(max_new_tokens=16, seed=3))
+    jobs = [Job(t, i, Ticket(t, 0, b, i, 0.0)) for i, (t, b) in enumerate(zip(tasks, BASELINES, strict=True))]
+    try:
+        done = collect(Rollouts(venv, agent, seed=3, lockstep=True), jobs)
+    finally:
+        venv.close()
+        backend.close()
+    done.sort(key=lambda f: f.job.key)
+    return [Episode(f.trajectory, f.job.ticket) for f in done]

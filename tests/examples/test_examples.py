@@ -1,0 +1,115 @@
+"""The example scripts run as written (subprocesses, as a user runs them), at their smoke size: the untrained
+``tiny`` (no SFT build), a few updates of a few episodes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+
+
+def run_example(script: str, *args: str, cwd: Path) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.parametrize("algo", ["grpo", "sao"])
+def test_swap_algorithms_runs_each_algorithm_with_one_argument(algo: str, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    printed = run_example("swap_algorithms.py", "--algo", algo, "--tiny", "--out", str(out), cwd=tmp_path)
+    assert f"{algo} on math_tir: held-out success" in printed
+    config = json.loads((out / "config.json").read_text())
+    assert config["algo"] == algo and config["updates"] == (3 if algo == "sao" else 2)
+    assert (out / "evals" / f"update-{config['updates']:05d}.jsonl").is_file()
+
+
+def test_reproduce_table1_pairs_spo_pp_with_spo_and_reports(tmp_path: Path) -> None:
+    args = ("reproduce_table1.py", "--scale", "tiny", "--envs", "math_tir", "--seeds", "0", "1")
+    # Ctrl-C stops the whole script (the interrupted run checkpoints; no later run starts), and the same command
+    # resumes it: it used to move on to the next run and build the table from half a run.
+    first = tmp_path / "runs/table1/math_tir/spo++-seed0/metrics.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, str(EXAMPLES / args[0]), *args[1:]],
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 600
+    while not first.is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)  # the first run's update-0 evaluation is written: its signal handlers are in place
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "interrupted in" in stdout and "run the same command to resume" in stdout
+    assert not (tmp_path / "runs/table1/table1.json").exists()
+    assert not (tmp_path / "runs/table1/math_tir/spo++-seed1").exists()
+    printed = run_example(*args, cwd=tmp_path)
+    result = json.loads((tmp_path / "runs/table1/table1.json").read_text())
+    row = result["table"]["math_tir"]
+    assert row["area_metric"] == "auc_mean" and row["delta_area"]["n"] == 2
+    # the paired difference is the mean of the per-seed differences of the two algorithms' areas
+    diffs = [a - b for a, b in zip(row["spo++_area"]["values"], row["spo_area"]["values"], strict=True)]
+    assert row["delta_area"]["mean"] == pytest.approx(sum(diffs) / 2)
+    assert "| math_tir | auc_mean |" in printed
+    assert (tmp_path / "runs/table1/math_tir/report/report.md").is_file()
+    configs = [
+        json.loads((tmp_path / f"runs/table1/math_tir/{a}-seed0/config.json").read_text())
+        for a in ("spo++", "spo")
+    ]
+    assert {k for k in configs[0] if configs[0][k] != configs[1][k]} == {"algo", "out"}
+
+
+def test_reproduce_table1_paper_scale_dry_run_builds_table_3(tmp_path: Path) -> None:
+    printed = run_example(
+        "reproduce_table1.py",
+        "--scale",
+        "paper",
+        "--model",
+        "/models/Qwen3.5-0.8B",
+        "--dry-run",
+        cwd=tmp_path,
+    )
+    configs = json.loads(printed)
+    assert len(configs) == 2 * 3 * 2  # envs x seeds x algorithms
+    by_env = {c["env"]: c for c in configs if c["algo"] == "spo++"}
+    assert by_env["alfworld"]["batch"] == by_env["math_tir"]["batch"] == 128
+    assert by_env["alfworld"]["updates"] * 128 == 6400 and by_env["math_tir"]["updates"] * 128 == 25600
+    assert by_env["alfworld"]["init"] == "base" and by_env["math_tir"]["init"] == "sft"
+    assert {c["learner"]["lr"] for c in configs} == {1e-6}
+    assert not (tmp_path / "runs").exists()  # nothing trained
+
+
+def test_reproduce_table2_ablates_the_normalization_only(tmp_path: Path) -> None:
+    printed = run_example(
+        "reproduce_table2.py", "--scale", "tiny", "--env", "math_tir", "--seeds", "0", "1", cwd=tmp_path
+    )
+    result = json.loads((tmp_path / "runs/table2/table2.json").read_text())
+    assert result["delta_c10"]["n"] == 2 and "paired difference" in printed
+    token, trajectory = (
+        json.loads((tmp_path / f"runs/table2/{n}/math_tir/spo++-seed0/config.json").read_text())
+        for n in ("token", "trajectory")
+    )
+    assert token["algorithm"] == {"normalization": "token"} and trajectory["algorithm"] == {
+        "normalization": "trajectory"
+    }
+    assert {k for k in token if token[k] != trajectory[k]} == {"algorithm", "out"}
