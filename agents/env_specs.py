@@ -23,21 +23,16 @@ as ``gymnasium.make`` takes ``"module:EnvName-v0"``: it imports the module, whos
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import random
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from streamrl.agents.base import Agent, GenerationBackend, SamplingParams
 from streamrl.agents.llm_agent import ContextPolicy, LLMAgent
 from streamrl.agents.prompts import ALFWorldPrompt, MathTIRPrompt, PromptFormat
 from streamrl.agents.rollout import LockstepResult, play_lockstep
+from streamrl.utils.modules import import_user_module
 
 
 @dataclass(frozen=True)
@@ -351,13 +346,16 @@ def register_env_spec(name: str, spec: EnvSpec, *, replace: bool = False) -> Non
 
 def env_spec(name: str) -> EnvSpec:
     """The spec of env ``name``: a registered name, or ``"module:name"`` / ``"path/file.py:name"``, which first
-    imports the module (``import_user_module``), whose import registers ``name`` (as ``gymnasium.make`` imports
-    the module of ``"module:EnvName-v0"``). A ``ValueError`` names the valid names if there is none."""
+    imports the module (``import_user_module``), whose import registers ``name``, as ``gymnasium.make`` imports
+    the module of ``"module:EnvName-v0"``. A ``ValueError`` names the valid names if there is none."""
     if name in ENV_SPECS:
         return ENV_SPECS[name]
     if isinstance(name, str) and ":" in name:
         where, _, key = name.rpartition(":")
-        import_user_module(where)
+        try:
+            import_user_module(where)
+        except (ImportError, FileNotFoundError) as exc:
+            raise ValueError(f"env {name!r}: cannot import {where!r}: {exc}") from exc
         if key not in ENV_SPECS:
             raise ValueError(
                 f"env {name!r}: importing {where!r} registered no env named {key!r} (register_env_spec); "
@@ -368,38 +366,6 @@ def env_spec(name: str) -> EnvSpec:
         f"unknown env {name!r}; valid: {sorted(ENV_SPECS)}, or 'module:name' / 'file.py:name' for an env "
         "that module registers (register_env_spec)"
     )
-
-
-def import_user_module(where: str) -> ModuleType:
-    """The module ``where`` names: a dotted module path (``importlib.import_module``) or a ``.py`` file, run
-    once per resolved path however often it is named (under ``streamrl_user_<stem>_<hash>``, the name
-    ``--algo file.py:Class`` gives it too). A file's module is also pickled by value (``cloudpickle``), so
-    the env classes it defines reach subprocess and Ray env workers, which cannot import it by name."""
-    if not where.endswith(".py"):
-        try:
-            return importlib.import_module(where)
-        except ImportError as exc:
-            raise ValueError(f"cannot import module {where!r}: {exc}") from exc
-    path = Path(where)
-    if not path.is_file():
-        raise ValueError(f"module file {where!r} does not exist (relative to {Path.cwd()})")
-    resolved = str(path.resolve())
-    name = f"streamrl_user_{path.stem}_{hashlib.sha1(resolved.encode()).hexdigest()[:8]}"
-    if name in sys.modules:
-        return sys.modules[name]
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    assert module_spec is not None and module_spec.loader is not None
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    import cloudpickle
-
-    cloudpickle.register_pickle_by_value(module)
-    return module
 
 
 def expert_factory(name: str) -> Callable[[Any], Agent]:

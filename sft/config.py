@@ -204,9 +204,13 @@ class SFTConfig:
     @classmethod
     def for_env(cls, env_name: str, **overrides: Any) -> SFTConfig:
         """The preset of env ``env_name`` (``SFT_PRESETS``) with ``overrides``: the config of its checkpoint."""
-        env_spec(env_name)
+        spec = env_spec(env_name)
         if env_name not in SFT_PRESETS:
-            raise ValueError(f"env {env_name!r} has no SFT preset; presets: {sorted(SFT_PRESETS)}")
+            why = " and no expert to clone (EnvSpec.expert is None)" if spec.expert is None else ""
+            raise ValueError(
+                f"env {env_name!r} has no SFT preset{why}; presets: {sorted(SFT_PRESETS)}. An SFT cold start "
+                "clones an expert's episodes: start from the model as it is with init='base' (--init base)"
+            )
         return SFT_PRESETS[env_name](**overrides)
 
     def start(self) -> SFTConfig | None:
