@@ -190,7 +190,7 @@ class RayRank:
                 warnings.warn(
                     f"learner rank {self.rank} runs at niceness {self.info['niceness']} on node "
                     f"{self.info['node']}: the trainer's other processes would starve it. Start Ray nodes with "
-                    "RAY_worker_niceness=0 (README, Scaling out)",
+                    "RAY_worker_niceness=0 (docs/scaling.md)",
                     stacklevel=2,
                 )
             return status, None

@@ -12,7 +12,7 @@ and reports the median env steps/s of ``--repeats`` runs, with the load average 
 (the machine may be shared). The Ray instance's own processes (GCS, raylet) run during both measurements.
 What it tells: how much a Ray actor's call path (a task submission and an object-store round trip per
 step, against one pipe round trip) costs next to an ALFWorld step, and so how many env actors a node needs
-for a given env-step rate (README, "Scaling out").
+for a given env-step rate (``docs/scaling.md``).
 
 Usage::
 

@@ -213,7 +213,7 @@ def answers_equal(
 
     ``pool``: the sandbox pool to check in, built from :func:`grading_sandbox` (an env keeps one for its
     lifetime). Without one, the process-wide shared pool of that config is held for this call only, which
-    starts a sandbox process (~1 s) unless another holder keeps it running. Safe to call from any thread.
+    starts a sandbox process (a fresh interpreter) unless another holder keeps it running. Safe to call from any thread.
     """
     if pred is None:
         return False

@@ -9,7 +9,7 @@ TextWorld 1.7's ``PddlEnv`` spends almost all of its time re-doing pure work:
 3. deep-copying derivation contexts whose values are never mutated in place (``textgen.copy_context``)
    -> the two dicts that *are* updated are copied shallowly;
 4. translating PDDL->SAS with Fast Downward's Python translator twice per ``load`` and twice per
-   ``reset`` (~1 s on a realistic kitchen) -> memoized in memory and on disk (zlib-compressed pickled
+   ``reset`` (most of a stock reset) -> memoized in memory and on disk (zlib-compressed pickled
    ``(task, sas)`` under ``translation_cache_dir()``, keyed by the sha1 of the inputs and translator
    version);
 5. ``EvalSymbol.derive`` relies on ``locals().update`` feeding ``eval``, which Python 3.13 (PEP 667) broke
@@ -17,13 +17,13 @@ TextWorld 1.7's ``PddlEnv`` spends almost all of its time re-doing pure work:
 6. sorting a signature's facts with Python-level ``Proposition.__lt__`` on every rule match
    (``State._all_applicable_assignments``) -> sorted once with an equivalent key and cached on the state
    until a fact of that signature is added or removed;
-7. asking the planner library for the initial state (``get_state``: ~35 ms on a big kitchen) and parsing
+7. asking the planner library for the initial state (``get_state``) and parsing
    it into propositions on every reset (``PddlState.__init__``) -> memoized per SAS task, since the initial
    state after ``load_sas`` is a function of the SAS text; and translating the *optimized* SAS task, which
    only the planner uses (``replan``: ``policy_commands``, walkthroughs of official games), at every
    load -> done on the first ``replan`` of an episode instead (the planner searches from the current
    state, so the plans are the same; this halves the cost of a first load);
-8. TatSu-parsing the whole game grammar (``alfred.twl2`` + task line, ~100 ms) on every ``load``, also
+8. TatSu-parsing the whole game grammar (``alfred.twl2`` + task line) on every ``load``, also
    when an env switches back to a game it played before -> memoized by text (the parsed actions and
    production rules are only read: ``GameLogic`` copies them into its own containers and derivation
    deep-copies rules before use).
@@ -74,8 +74,7 @@ __all__ = [
 _CACHE_FORMAT = 1
 _FD_VERSION = importlib.metadata.version("fast-downward-textworld")
 # Games whose translation, initial state and parsed grammar stay in memory per process (LRU). 128 covers
-# the training split: a process that has played all of it sits at ~220 MB RSS and switches games in
-# ~20 ms; evicted games come back from the disk cache in ~0.1 s.
+# the training split; evicted games come back from the disk cache (the costs: docs/alfworld.md §4).
 _MEMORY_CACHE_SIZE = 128
 
 _ORIGINAL: dict[str, Any] = {
@@ -164,7 +163,7 @@ def _translate_cached(domain: str, problem: str, optimize: bool) -> tuple[Any, s
     finally:
         sys.argv = argv  # pddl2sas sets sys.argv = ["translate.py", "domain", "task"] for good
     with contextlib.suppress(OSError):  # a read-only cache only costs speed
-        # zlib level 1: SAS text shrinks ~10x for ~3 ms per load.
+        # zlib level 1: SAS text compresses well at a small cost per load (docs/alfworld.md §4).
         atomic_write_bytes(
             path, zlib.compress(pickle.dumps((task, sas), protocol=pickle.HIGHEST_PROTOCOL), 1)
         )

@@ -44,7 +44,7 @@ Workers (``streamrl.envs.vector_workers``): subprocesses by default, in-process 
 actors anywhere in a cluster (``backend="ray"``, ``streamrl.envs.ray_workers``); all three implement the
 ``EnvWorker`` interface documented there, and the deadlines, replacement and exactly-once rules above are
 this module's, the same for each. Results cross the process boundary as pickles; the parent's overhead is
-one pipe round trip per call (~0.1-0.2 ms) with worker processes.
+one pipe round trip per call with worker processes (its cost: ``docs/benchmarks.md``, the vector env row).
 
 :class:`LockstepVectorEnv` is a ``gymnasium.vector.VectorEnv`` over the same workers for code that wants
 Gymnasium's batched ``step``/``reset``.

@@ -389,8 +389,8 @@ class _Channel:
     caller side reads *whatever has arrived* with one non-blocking ``recv`` (instead of a ``poll`` to see
     whether a message is there, then one read for its length and one for its body), buffering partial
     frames. Payloads use the plain pickler (env observations and infos need none of ``ForkingPickler``'s
-    fd and connection reducers). Each syscall is a few microseconds on a VM, a sizeable part of what a bare
-    round trip costs (``benchmarks/bench_vector.py --transport`` measures it).
+    fd and connection reducers). Each syscall is a sizeable part of what a bare round trip costs
+    (``benchmarks/bench_vector.py --transport`` measures it).
 
     One reader thread and one writer thread may use a channel at the same time (the worker's command
     reader does), never two readers.

@@ -38,8 +38,8 @@ def connect(address: str | None = None) -> bool:
 WORKER_NICENESS = 0
 """The niceness of the Ray workers (actors) of a Ray instance streamrl starts. Ray's default, 15, gives an actor
 a few percent of a core next to a busy process at the default 0 -- the trainer, on the same node -- and an
-ALFWorld env actor then steps ~30x slower than a worker process (``benchmarks/bench_ray_envs.py``). For a
-cluster started with ``ray start``, set ``RAY_worker_niceness=0`` in its environment (README, Scaling out)."""
+ALFWorld env actor then steps many times slower than a worker process (``docs/scaling.md``, Priority). For a
+cluster started with ``ray start``, set ``RAY_worker_niceness=0`` in its environment (``docs/scaling.md``)."""
 
 
 def local_ray_options(address: str | None = None) -> dict[str, Any]:
