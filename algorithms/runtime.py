@@ -2,7 +2,7 @@
 
 ``Rollouts`` is the generator half of the single-stream runtime. Each started *job* (a task id, a seed, and
 the dispatcher's ticket) occupies one sub-env until its episode ends. ``poll`` receives whichever sub-envs
-are ready, asks the ``LLMAgent`` for all their actions in one batched generation, sends them, and returns
+are ready, asks the agent for all their actions in one batched generation, sends them, and returns
 the episodes that finished -- first-ready, so a long episode never holds up a short one. An episode whose
 env worker failed comes back too, its trajectory marked with ``info["error"]``; so does one whose generation
 the backend lost (``LLMAgent.lost``: a rollout engine died), with ``info["error_kind"] = "engine"``; its
@@ -23,8 +23,11 @@ every pending sub-env before generating, so the batches the backend sees are the
 seeded run is reproducible bit for bit (the synchronous trainer, ``max_staleness=0``). Otherwise it takes
 what is ready, which is faster and nondeterministic in batch composition only.
 
-``collect`` plays a fixed list of jobs to the end with no training (offline value initialization,
-held-out evaluation).
+The agent is any ``Agent``: an ``LLMAgent`` keeps the token record of each episode itself
+(``RolloutAgent``); a scripted one is recorded by the runtime (its turns' actions and the env's replies).
+
+``collect`` plays a fixed list of jobs to the end with no training; ``streamrl.algorithms.session.RolloutSession``
+does so on a kept vector env (offline values, held-out evaluation, value pretraining, ``streamrl eval``).
 """
 
 from __future__ import annotations
@@ -32,16 +35,18 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
-from streamrl.agents.base import EpisodeId, derive_seed
-from streamrl.agents.trajectory import Trajectory
+from streamrl.agents.base import Agent, EpisodeId, derive_seed
+from streamrl.agents.trajectory import Trajectory, TurnRecord
 from streamrl.envs.vector import EnvResult, StreamingVectorEnv
 
 
+@runtime_checkable
 class RolloutAgent(Protocol):
-    """What ``Rollouts`` needs of its agent: an ``LLMAgent``, or any agent that keeps a ``Trajectory`` per
-    episode (the evaluation harness wraps scripted experts this way, ``streamrl.evaluation.harness``)."""
+    """What ``Rollouts`` asks of its agent beyond ``Agent``'s ``act`` / ``end_episode``: an ``LLMAgent`` keeps a
+    ``Trajectory`` per episode and knows its action tokens and lost generations. Any other ``Agent`` (a scripted
+    expert) is given these members by ``Rollouts`` itself (``_Recorded``)."""
 
     def begin_episode(
         self, episode_id: EpisodeId, task_id: str | None = None, ticket: Any = None
@@ -68,9 +73,66 @@ class RolloutAgent(Protocol):
     def active_episodes(self) -> list[EpisodeId]: ...
 
 
+class _Recorded:
+    """A plain ``Agent`` (``act`` and ``end_episode`` only, e.g. a scripted expert) as a ``RolloutAgent``: it keeps
+    a ``Trajectory`` per episode with each turn's action and the env's reply and verdict (no tokens: it
+    generates none)."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self._pending: dict[EpisodeId, tuple[str | None, Any]] = {}
+        self._episodes: dict[EpisodeId, Trajectory] = {}
+
+    def begin_episode(self, episode_id: EpisodeId, task_id: str | None = None, ticket: Any = None) -> None:
+        self._pending[episode_id] = (task_id, ticket)
+
+    def act(
+        self,
+        observations: Sequence[str],
+        infos: Sequence[Mapping[str, Any]],
+        episode_ids: Sequence[EpisodeId],
+    ) -> list[str]:
+        for observation, info, eid in zip(observations, infos, episode_ids, strict=True):
+            trajectory = self._episodes.get(eid)
+            if trajectory is None:
+                task_id, ticket = self._pending.pop(eid, (None, None))
+                self._episodes[eid] = Trajectory(
+                    task_id=str(task_id or info.get("task_id", "")), ticket=ticket
+                )
+            else:  # the env's reply to the previous action (tool calls: set_outcome files the episode's total)
+                trajectory.turns[-1].observation = observation
+                if "action_valid" in info:
+                    trajectory.turns[-1].action_valid = bool(info["action_valid"])
+        actions = self.agent.act(observations, infos, episode_ids)
+        for eid, action in zip(episode_ids, actions, strict=True):
+            self._episodes[eid].turns.append(TurnRecord(action, action, -1, (0, 0), (0, 0)))
+        return actions
+
+    def end_episode(self, episode_id: EpisodeId) -> Trajectory:
+        self.agent.end_episode(episode_id)
+        return self._episodes.pop(episode_id)
+
+    def discard(self, episode_id: EpisodeId) -> None:
+        self._pending.pop(episode_id, None)
+        if self._episodes.pop(episode_id, None) is not None:
+            self.agent.end_episode(episode_id)
+
+    def action_tokens(self, episode_id: EpisodeId) -> int:
+        return 0
+
+    def lost(self, episode_id: EpisodeId) -> str | None:
+        return None  # a scripted agent has no generation to lose
+
+    @property
+    def active_episodes(self) -> list[EpisodeId]:
+        return list(self._episodes)
+
+
 @dataclass(frozen=True)
 class Job:
-    """One episode to play: which task, under which key (unique; seeds derive from it), with what ticket."""
+    """One episode to play: which task, under which key (unique; seeds derive from it), with what ticket (the
+    dispatcher's, ``None`` apart from training) and dispatch group. Kept apart from ``Finished``: a job exists
+    before its episode does (dispatched, in flight, requeued by a checkpoint)."""
 
     task_id: str
     key: int
@@ -80,11 +142,12 @@ class Job:
 
 @dataclass
 class Finished:
-    """A finished job: its trajectory (outcome filled) and the job."""
+    """A finished job: the job and its trajectory (outcome filled; the env's seconds in ``timings["env_s"]``).
+    Not an ``algorithms.base.Episode``: the episodes of evaluations and offline values have no ticket, and the
+    job's key names the episode (its seeds derive from it)."""
 
     job: Job
     trajectory: Trajectory
-    env_seconds: float = 0.0
 
 
 @dataclass
@@ -103,13 +166,14 @@ class Rollouts:
     def __init__(
         self,
         venv: StreamingVectorEnv,
-        agent: RolloutAgent,
+        agent: Agent,
         *,
         seed: int = 0,
         lockstep: bool = False,
     ) -> None:
         self.venv = venv
-        self.agent = agent
+        self.agent: RolloutAgent = agent if isinstance(agent, RolloutAgent) else _Recorded(agent)
+        """The agent as the runtime uses it: an ``LLMAgent`` as given, any other ``Agent`` recorded."""
         self.seed = seed
         self.lockstep = lockstep
         self._running: dict[int, _Running] = {}  # by venv episode id
@@ -244,7 +308,7 @@ class Rollouts:
         )
         trajectory.timings["env_s"] = run.env_seconds
         trajectory.timings["episode_s"] = time.perf_counter() - run.started
-        return Finished(job, trajectory, run.env_seconds)
+        return Finished(job, trajectory)
 
     def abandon_all(self) -> list[Job]:
         """Stop every running job (their results are discarded) and return them, for requeueing."""

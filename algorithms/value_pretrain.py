@@ -18,11 +18,13 @@ from streamrl.algorithms.base import (
     SetupContext,
 )
 from streamrl.algorithms.critic import explained_variance
+from streamrl.algorithms.runtime import Job
 from streamrl.algorithms.sao import SAO, SAOConfig, value_targets
+from streamrl.algorithms.session import ActionConstraint, RolloutFields, RolloutSession
 
 
 @dataclass(frozen=True)
-class ValuePretrainConfig:
+class ValuePretrainConfig(ActionConstraint, RolloutFields):
     """Value pretraining (SAO §5.2; ``streamrl value-pretrain``): roll out the initial policy on the training
     tasks and fit the critic to the outcomes, before RL. The critic's shape and optimizer are ``SAOConfig``'s
     ``critic_*`` fields, so the result fits an SAO run with the same ones (``SAOConfig.critic_init``)."""
@@ -36,26 +38,14 @@ class ValuePretrainConfig:
     init: Literal["sft", "base"] = "sft"
     """The starting policy, as ``streamrl train --init``: the env's SFT checkpoint or the bare model. The RL
     run must start from the same one."""
-    tasks: int | None = None
-    """Roll out the first N training tasks (``None`` = all)."""
     rollouts: int = 8
     """Rollouts per task (the paper pretrains on 6k samples; n0 = 8 as the offline values of the tracker)."""
     epochs: int = 4
     """Passes of the critic over the episodes."""
     batch: int = 16
     """Episodes per critic step."""
-    num_envs: int = 16
-    """Episodes in flight at once during the rollouts."""
     temperature: float = 1.0
     """Sampling temperature of the rollouts (the RL run's)."""
-    constrain_actions: bool = False
-    """Roll out choosing among the env's actions (``LLMAgent(constrain_actions=True)``), as ``streamrl train
-    --constrain-actions`` does: the critic learns the returns of the policy it rolls out, so set this (and
-    ``avoid_repeats``) as the SAO run will."""
-    avoid_repeats: bool = False
-    """With ``constrain_actions``: no command twice from one state (``LLMAgent(avoid_repeats=True)``)."""
-    max_new_tokens: int | None = None
-    """Tokens per turn; ``None`` = the env's default."""
     env_workers: Literal["subprocess", "inprocess"] = "subprocess"
     """Vector env workers."""
     device: str = "auto"
@@ -73,15 +63,13 @@ class ValuePretrainConfig:
             raise ValueError(f"unknown env {self.env!r}; valid: 'math_tir', 'alfworld'")
         if self.init not in ("sft", "base"):
             raise ValueError(f"init must be 'sft' or 'base', got {self.init!r}")
-        for name in ("rollouts", "epochs", "batch", "num_envs", "micro_batch_tokens", "threads"):
+        for name in ("rollouts", "epochs", "batch", "micro_batch_tokens", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.tasks is not None and self.tasks < 1:
-            raise ValueError(f"tasks must be >= 1 or None, got {self.tasks}")
+        for error in self.rollout_errors() + self.constraint_errors():
+            raise ValueError(error)
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if self.avoid_repeats and not self.constrain_actions:
-            raise ValueError("avoid_repeats=True needs constrain_actions=True: it removes choices")
         if self.constrain_actions:
             from streamrl.agents.env_specs import env_spec
 
@@ -103,11 +91,10 @@ def pretrain_critic(
     (plain squared error towards the lambda = 1 returns: no clipping, nothing to stay close to), and save it
     to ``config.out``. Returns the report that ``critic.json`` also holds."""
     from streamrl.agents.base import SamplingParams, derive_seed
-    from streamrl.agents.env_specs import env_spec, make_env, task_ids_of
+    from streamrl.agents.env_specs import env_spec
     from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
     from streamrl.agents.models import load_tokenizer, resolve_model
-    from streamrl.algorithms.runtime import Job, Rollouts, collect
-    from streamrl.envs.vector import StreamingVectorEnv, VectorEnvConfig
+    from streamrl.envs.vector import VectorEnvConfig
     from streamrl.sft import SFTConfig, sft_checkpoint
 
     sao = sao if sao is not None else SAOConfig()
@@ -116,20 +103,17 @@ def pretrain_critic(
         raise ValueError(f"{out} already holds a critic; choose another out")
     started = time.perf_counter()
     torch.set_num_threads(config.threads)
-    spec = env_spec(config.env)
     if config.init == "sft":
         model_dir = sft_checkpoint(SFTConfig.for_env(config.env, model=config.model), log=log)
     else:
         model_dir = resolve_model(config.model)
-    probe = make_env(config.env, spec.train_split)
-    task_ids = task_ids_of(probe, config.env)
-    probe.close()
-    if config.tasks is not None:
-        if config.tasks > len(task_ids):
-            raise ValueError(
-                f"tasks={config.tasks} must be in [1, {len(task_ids)}] (the {config.env} training tasks)"
-            )
-        task_ids = task_ids[: config.tasks]
+    session = RolloutSession(
+        config.env,
+        env_spec(config.env).train_split,
+        num_envs=config.num_envs,
+        workers=VectorEnvConfig(backend=config.env_workers),
+    )
+    task_ids = session.first_tasks(config.tasks)
 
     tokenizer = load_tokenizer(model_dir)
     # the critic first: a critic_init that does not fit fails before the rollouts
@@ -151,35 +135,23 @@ def pretrain_critic(
     )
     sampling = SamplingParams(  # the run seed: each (episode, turn) samples with a seed derived from it
         temperature=config.temperature,
-        max_new_tokens=config.max_new_tokens or spec.max_new_tokens,
+        max_new_tokens=config.max_new_tokens or session.spec.max_new_tokens,
         seed=derive_seed(config.seed, "value"),
     )
-    venv = StreamingVectorEnv.from_env(
-        spec.gym_id,
-        config.num_envs,
-        config=VectorEnvConfig(backend=config.env_workers),
-        split=spec.train_split,
-        **dict(spec.env_kwargs),
-    )
     try:
-        rollouts = Rollouts(
-            venv,
-            spec.llm_agent(
-                backend,
-                sampling,
-                constrain_actions=config.constrain_actions,
-                avoid_repeats=config.avoid_repeats,
-                tokenizer=tokenizer,
-            ),
-            seed=derive_seed(config.seed, "value"),
-            lockstep=True,
+        agent = session.llm_agent(
+            backend,
+            sampling,
+            constrain_actions=config.constrain_actions,
+            avoid_repeats=config.avoid_repeats,
+            tokenizer=tokenizer,
         )
         jobs = [
             Job(t, i * config.rollouts + k) for i, t in enumerate(task_ids) for k in range(config.rollouts)
         ]
-        done = collect(rollouts, jobs)
+        done = session.play(agent, jobs, seed=derive_seed(config.seed, "value"))
     finally:
-        venv.close()
+        session.close()
         backend.close()
     episodes = [
         d.trajectory

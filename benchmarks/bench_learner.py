@@ -5,7 +5,7 @@ and data-parallel learner ranks.
                                        [--ranks 1 2] [--repeats 1] [--out benchmarks/results/learner/learner.json]
 
 The batch is real: ``--episodes`` Math-TIR training episodes played once by the model through the runtime
-(``Rollouts`` / ``collect`` on a streaming vector env, the env spec's prompt, context policy and generation
+(a ``RolloutSession``: ``Rollouts`` / ``collect`` on a streaming vector env, the env spec's prompt, context policy and generation
 budget, temperature 1), as the trainer plays them. Each setting then times one SPO++ update on that batch
 (old log-probs recomputed, forward + backward in micro-batches of at most ``micro_batch_tokens`` padded
 tokens sorted by length, one AdamW step) with a fresh learner from the same weights, after one untimed
@@ -55,14 +55,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 from streamrl.agents.base import GenerationBackend
-from streamrl.agents.env_specs import env_spec, make_env, task_ids_of
+from streamrl.agents.env_specs import env_spec
 from streamrl.agents.models import load_model, resolve_model
 from streamrl.algorithms.base import Algorithm, Episode, make_algorithm
 from streamrl.algorithms.distributed import DistributedLearner, LearnerSpec
 from streamrl.algorithms.learner import Learner, LearnerConfig, shard_batch, training_rows
-from streamrl.algorithms.runtime import Job, Rollouts, collect
+from streamrl.algorithms.runtime import Job
+from streamrl.algorithms.session import RolloutSession
 from streamrl.algorithms.tracker import Ticket
-from streamrl.envs.vector import StreamingVectorEnv, VectorEnvConfig
+from streamrl.envs.vector import VectorEnvConfig
 
 HERE = Path(__file__).resolve().parent
 
@@ -73,22 +74,15 @@ def play_batch(
     """``episodes`` training episodes of ``env`` played by ``backend`` through the runtime, one per task (in
     the split's order), as ``Episode`` s with version-0 tickets (baseline 0.5) ready for ``Learner.update``."""
     spec = env_spec(env)
-    probe = make_env(env, spec.train_split)
-    task_ids = task_ids_of(probe, env)[:episodes]
-    probe.close()
-    venv = StreamingVectorEnv.from_env(
-        spec.gym_id,
-        min(num_envs, episodes),
-        config=VectorEnvConfig(backend="inprocess"),
-        split=spec.train_split,
-        **dict(spec.env_kwargs),
-    )
-    agent = spec.llm_agent(backend)  # temperature 1, the spec's budget; seeded by the backend's generator
-    jobs = [Job(t, i, Ticket(t, 0, 0.5, i, 0.0)) for i, t in enumerate(task_ids)]
-    try:
-        done = collect(Rollouts(venv, agent, seed=seed), jobs)
-    finally:
-        venv.close()
+    with RolloutSession(
+        env, spec.train_split, num_envs=min(num_envs, episodes), workers=VectorEnvConfig(backend="inprocess")
+    ) as session:
+        task_ids = session.task_ids[:episodes]
+        agent = session.llm_agent(
+            backend
+        )  # temperature 1, the spec's budget; seeded by the backend's generator
+        jobs = [Job(t, i, Ticket(t, 0, 0.5, i, 0.0)) for i, t in enumerate(task_ids)]
+        done = session.play(agent, jobs, seed=seed, lockstep=False)
     return [Episode(item.trajectory, item.job.ticket) for item in done]
 
 

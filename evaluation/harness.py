@@ -20,9 +20,9 @@ is named by (split, task id, seed, sample) and every random choice in it -- the 
 agent's per-turn sampling seeds -- derives from that name alone, so two agents, or two invocations, play the
 same episodes: paired comparisons (``paired_difference``) need nothing else.
 
-They run on the streaming vector env through the trainer's runtime (``algorithms.runtime.Rollouts`` and
-``collect``, as the trainer's held-out evaluation does): the backend generates for every episode awaiting an
-action in one call. A scripted expert plays through the same runtime behind ``ScriptedRecorder``.
+They run on a ``RolloutSession`` per split (``algorithms.session``, as the trainer's held-out evaluation does),
+kept for the whole invocation: its env workers start once and play every agent and temperature. The backend
+generates for every episode awaiting an action in one call; a scripted expert plays through the same runtime.
 
 The report (``run_evaluation``, a JSON-ready dict): per agent and temperature, the success rate with its
 95 % interval clustered by task (the task is the unit: its samples and seeds are not independent draws) and the
@@ -45,10 +45,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from streamrl.agents.base import Agent, EpisodeId, GenerationBackend, SamplingParams, derive_seed
+from streamrl.agents.base import Agent, GenerationBackend, SamplingParams, derive_seed
 from streamrl.agents.env_specs import env_spec, play_tasks
-from streamrl.agents.trajectory import Trajectory, TurnRecord
-from streamrl.evaluation.curves import run_config
+from streamrl.agents.trajectory import Trajectory
+from streamrl.algorithms.run_dir import RunDir
+from streamrl.algorithms.runtime import Finished, Job
+from streamrl.algorithms.session import RolloutFields, RolloutSession
 from streamrl.evaluation.stats import (
     ClusteredMeanInterval,
     MeanInterval,
@@ -154,13 +156,7 @@ class AgentSpec:
 
 def run_versions(run: str | Path) -> list[int]:
     """The policy versions run ``run`` has on disk (``policy/v<K>``), ascending; 0 (its initial model) first."""
-    root = Path(run) / "policy"
-    found = (
-        [int(p.name[1:]) for p in root.glob("v*") if p.is_dir() and p.name[1:].isdigit()]
-        if root.is_dir()
-        else []
-    )
-    return [0, *sorted(v for v in found if v > 0)]
+    return [0, *RunDir(run).policy_versions()]
 
 
 def policy_version(run: str | Path, version: int | None) -> int:
@@ -179,10 +175,7 @@ def policy_version(run: str | Path, version: int | None) -> int:
 
 def read_run_config(run: str | Path) -> dict[str, Any]:
     """Run ``run``'s ``config.json``; ``FileNotFoundError`` naming the path if it is not a run directory."""
-    if not (Path(run) / "config.json").is_file():
-        what = "no such directory" if not Path(run).is_dir() else "no config.json in it"
-        raise FileNotFoundError(f"run {str(run)!r}: {what} (not a `streamrl train` run directory)")
-    return run_config(run)
+    return RunDir(run).read_config()
 
 
 @dataclass
@@ -219,7 +212,7 @@ def load_agent(
             str(config["model"]), config["init"], str(config["env"]), log=log, sft=config.get("sft")
         )
         version = policy_version(spec.name, spec.version)
-        policy = None if version == 0 else Path(spec.name) / "policy" / f"v{version}"
+        policy = None if version == 0 else RunDir(spec.name).policy(version)
         what = f"run {spec.name} at version {version} ({config['model']}, init {config['init']})"
         return LoadedAgent(spec, what, _backend(model_dir, policy, version, device, backend))
     if spec.kind == "sft":
@@ -273,60 +266,6 @@ def _backend(
     return HFBackend(policy, tokenizer=load_tokenizer(model_dir), config=config)
 
 
-class ScriptedRecorder:
-    """A scripted ``Agent`` that keeps a ``Trajectory`` per episode (turns with their actions and the env's
-    verdicts, no tokens), so it runs on ``algorithms.runtime.Rollouts`` as an ``LLMAgent`` does."""
-
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
-        self._pending: dict[EpisodeId, tuple[str | None, Any]] = {}
-        self._episodes: dict[EpisodeId, Trajectory] = {}
-
-    def begin_episode(self, episode_id: EpisodeId, task_id: str | None = None, ticket: Any = None) -> None:
-        self._pending[episode_id] = (task_id, ticket)
-
-    def act(
-        self,
-        observations: Sequence[str],
-        infos: Sequence[Mapping[str, Any]],
-        episode_ids: Sequence[EpisodeId],
-    ) -> list[str]:
-        for observation, info, eid in zip(observations, infos, episode_ids, strict=True):
-            trajectory = self._episodes.get(eid)
-            if trajectory is None:
-                task_id, ticket = self._pending.pop(eid, (None, None))
-                self._episodes[eid] = Trajectory(
-                    task_id=str(task_id or info.get("task_id", "")), ticket=ticket
-                )
-            else:  # the env's reply to the previous action (tool calls: set_outcome files the episode's total)
-                trajectory.turns[-1].observation = observation
-                if "action_valid" in info:
-                    trajectory.turns[-1].action_valid = bool(info["action_valid"])
-        actions = self.agent.act(observations, infos, episode_ids)
-        for eid, action in zip(episode_ids, actions, strict=True):
-            self._episodes[eid].turns.append(TurnRecord(action, action, -1, (0, 0), (0, 0)))
-        return actions
-
-    def end_episode(self, episode_id: EpisodeId) -> Trajectory:
-        self.agent.end_episode(episode_id)
-        return self._episodes.pop(episode_id)
-
-    def discard(self, episode_id: EpisodeId) -> None:
-        self._pending.pop(episode_id, None)
-        if self._episodes.pop(episode_id, None) is not None:
-            self.agent.end_episode(episode_id)
-
-    def action_tokens(self, episode_id: EpisodeId) -> int:
-        return 0
-
-    def lost(self, episode_id: EpisodeId) -> str | None:
-        return None  # a scripted agent has no generation to lose
-
-    @property
-    def active_episodes(self) -> list[EpisodeId]:
-        return list(self._episodes)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Episodes and their records
 
@@ -334,7 +273,7 @@ EnvWorkers = Literal["subprocess", "inprocess"]
 
 
 @dataclass(frozen=True)
-class EvalConfig:
+class EvalConfig(RolloutFields):
     """``streamrl eval``: evaluate an agent (a run's policy at a version, a model with an optional policy, an
     SFT checkpoint, or the env's scripted expert) on an env's splits, greedy and sampled; optionally against a
     second agent on the same episodes (paired). Prints a table and writes a JSON report."""
@@ -347,8 +286,6 @@ class EvalConfig:
     """Env name; ``None``: the run's env (a ``run:`` agent), else math_tir."""
     splits: tuple[str, ...] = ()
     """Splits to play; empty: the env's evaluation splits (Math-TIR: test; ALFWorld: eval_seen eval_unseen)."""
-    tasks: int | None = None
-    """Play the first N tasks of each split (``None``: all)."""
     samples: int = 4
     """Episodes per task and seed at a sampling temperature > 0 (pass@k needs k <= samples x seeds)."""
     seeds: tuple[int, ...] = (0,)
@@ -357,16 +294,12 @@ class EvalConfig:
     """Sampling temperatures; 0 is greedy (one episode per task and seed)."""
     pass_k: tuple[int, ...] = ()
     """k of pass@k; empty: 1 and the episodes per task. Values above a mode's episodes per task are skipped."""
-    max_new_tokens: int | None = None
-    """Tokens per turn; ``None``: the run's setting, else the env's default."""
     constrain_actions: bool | None = None
     """Let each agent choose only among the env's actions (``LLMAgent(constrain_actions=True)``: ALFWorld's
     admissible commands; HF backend); ``None``: a ``run:`` agent as it was trained, every other unconstrained."""
     avoid_repeats: bool | None = None
     """With constrained actions: no command twice from one state (``LLMAgent(avoid_repeats=True)``); ``None``: a
     ``run:`` agent as it was trained, every other not."""
-    num_envs: int = 16
-    """Episodes in flight at once (sub-envs of the streaming vector env)."""
     env_workers: EnvWorkers = "subprocess"
     """Vector env workers: subprocess (default) or inprocess (debugging, tests)."""
     device: str = "auto"
@@ -388,11 +321,11 @@ class EvalConfig:
             raise ValueError(f"agent is required; forms: {AGENT_FORMS}")
         if self.backend not in ("hf", "vllm"):
             raise ValueError(f"backend must be 'hf' or 'vllm', got {self.backend!r}")
-        for name in ("samples", "num_envs", "threads"):
+        for name in ("samples", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.tasks is not None and self.tasks < 1:
-            raise ValueError(f"tasks must be >= 1 (or None: all), got {self.tasks}")
+        for error in self.rollout_errors():
+            raise ValueError(error)
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds must be distinct and at least one, got {self.seeds}")
         if not self.temperatures or any(t < 0 for t in self.temperatures):
@@ -478,21 +411,6 @@ def _record(
     )
 
 
-def task_attributes(env: Any) -> dict[str, dict[str, str]]:
-    """Breakdown attributes of each task an env's task records carry: ``source`` and ``family`` (Math-TIR's
-    ``MathTask.source`` and ``meta["family"]``); envs without task records have none."""
-    out: dict[str, dict[str, str]] = {}
-    for task in getattr(env.unwrapped, "tasks", None) or ():
-        attrs: dict[str, str] = {}
-        if isinstance(getattr(task, "source", None), str):
-            attrs["source"] = task.source
-        family = (getattr(task, "meta", None) or {}).get("family")
-        if isinstance(family, str):
-            attrs["family"] = family
-        out[str(task.task_id)] = attrs
-    return out
-
-
 def play_split(
     loaded: LoadedAgent,
     env: str,
@@ -503,69 +421,76 @@ def play_split(
     progress: Callable[[Any], None] | None = None,
     constrain_actions: bool = False,
     avoid_repeats: bool = False,
+    session: RolloutSession | None = None,
 ) -> list[EpisodeRecord]:
     """Play ``loaded`` on ``split`` of ``env``: every (task, seed, sample) episode of every temperature of
-    ``config`` (module doc), on one streaming vector env; the records in plan order. ``constrain_actions``:
-    the LLM agent chooses among the env's actions (``EvalConfig.constrain_actions``); ``avoid_repeats``: not
-    twice one from the same state (``EvalConfig.avoid_repeats``)."""
-    from streamrl.agents.env_specs import make_env, task_ids_of
-    from streamrl.algorithms.runtime import Job, Rollouts, collect
-    from streamrl.envs.vector import StreamingVectorEnv, VectorEnvConfig
-
-    spec = env_spec(env)
-    local = make_env(env, split, **dict(env_kwargs))
-    try:
-        task_ids = task_ids_of(local, env)[: config.tasks]
-        attrs = task_attributes(local)
-        expert = spec.expert(local) if loaded.backend is None else None
-    finally:
-        local.close()
+    ``config`` (module doc), on one rollout session; the records in plan order. ``constrain_actions``: the LLM
+    agent chooses among the env's actions (``EvalConfig.constrain_actions``); ``avoid_repeats``: not twice one
+    from the same state (``EvalConfig.avoid_repeats``). ``session``: the split's session to play on (kept by the
+    caller for other agents, made by ``eval_session``); ``None``: one for this call."""
+    if session is None:
+        with eval_session(env, split, config, env_kwargs) as own:
+            return play_split(
+                loaded, env, split, config, env_kwargs, max_new_tokens, progress,
+                constrain_actions, avoid_repeats, own,
+            )  # fmt: skip
+    task_ids = session.task_ids[: config.tasks]
     if not task_ids:
         raise ValueError(f"split {split!r} of {env} has no tasks to evaluate")
-
-    def plan(samples: int) -> list[tuple[str, int, int]]:
-        return [(t, s, k) for s in config.seeds for t in task_ids for k in range(samples)]
+    expert = session.expert() if loaded.backend is None else None
 
     # A scripted agent ignores the temperature: it plays the largest plan once and each mode takes its episodes.
     modes = [None] if expert is not None else list(config.temperatures)
     widest = max(config.samples_at(t) for t in config.temperatures)
-    venv = StreamingVectorEnv.from_env(
-        spec.gym_id,
-        min(config.num_envs, len(plan(widest))),
-        config=VectorEnvConfig(backend=config.env_workers),
-        split=split,
-        **{**spec.env_kwargs, **env_kwargs},
-    )
-    played: dict[tuple[float | None, tuple[str, int, int]], Any] = {}
-    try:
-        for temperature in modes:
-            episodes = plan(widest if temperature is None else config.samples_at(temperature))
-            if temperature is None:
-                assert expert is not None
-                agent: Any = ScriptedRecorder(expert)
-            else:
-                sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=0)
-                assert loaded.backend is not None
-                agent = spec.llm_agent(
-                    loaded.backend,
-                    sampling,
-                    constrain_actions=constrain_actions,
-                    avoid_repeats=avoid_repeats,
-                )
-            jobs = [Job(t, episode_key(split, t, s, k)) for t, s, k in episodes]
-            if len({j.key for j in jobs}) != len(jobs):  # 31-bit hashes: a collision is astronomically rare
-                raise RuntimeError(f"two episodes of {split} share a runtime key; change the seeds")
-            rollouts = Rollouts(venv, agent, seed=0, lockstep=True)
-            for episode, finished in zip(episodes, collect(rollouts, jobs, progress), strict=True):
-                played[(temperature, episode)] = finished
-    finally:
-        venv.close()
+    played: dict[tuple[float | None, tuple[str, int, int]], Finished] = {}
+    for temperature in modes:
+        episodes = _plan(config, task_ids, widest if temperature is None else config.samples_at(temperature))
+        agent: Agent
+        if temperature is None:
+            assert expert is not None
+            agent = expert
+        else:
+            sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=0)
+            assert loaded.backend is not None
+            agent = session.llm_agent(
+                loaded.backend, sampling, constrain_actions=constrain_actions, avoid_repeats=avoid_repeats
+            )
+        jobs = [Job(t, episode_key(split, t, s, k)) for t, s, k in episodes]
+        if len({j.key for j in jobs}) != len(jobs):  # 31-bit hashes: a collision is astronomically rare
+            raise RuntimeError(f"two episodes of {split} share a runtime key; change the seeds")
+        for episode, finished in zip(
+            episodes, session.play(agent, jobs, seed=0, progress=progress), strict=True
+        ):
+            played[(temperature, episode)] = finished
+    attrs = session.task_attributes
     records = []
     for temperature in config.temperatures:
-        for t, s, k in plan(config.samples_at(temperature)):
+        for t, s, k in _plan(config, task_ids, config.samples_at(temperature)):
             finished = played[(None if expert is not None else temperature, (t, s, k))]
             records.append(_record(finished, split, s, k, temperature, attrs.get(t, {})))
     return records
+
+
+def _plan(config: EvalConfig, task_ids: Sequence[str], samples: int) -> list[tuple[str, int, int]]:
+    """The (task, seed, sample) episodes of one mode, in plan order."""
+    return [(t, s, k) for s in config.seeds for t in task_ids for k in range(samples)]
+
+
+def eval_session(env: str, split: str, config: EvalConfig, env_kwargs: Mapping[str, Any]) -> RolloutSession:
+    """The rollout session that plays ``split`` for ``config``: as many sub-envs as the widest mode has episodes,
+    at most ``config.num_envs``, hosted as ``config.env_workers`` says. Kept for every agent of an invocation."""
+    from streamrl.envs.vector import VectorEnvConfig
+
+    session = RolloutSession(
+        env,
+        split,
+        num_envs=config.num_envs,
+        env_kwargs=env_kwargs,
+        workers=VectorEnvConfig(backend=config.env_workers),
+    )
+    widest = max(config.samples_at(t) for t in config.temperatures)
+    session.reserve(max(1, len(_plan(config, session.task_ids[: config.tasks], widest))))
+    return session
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -782,59 +707,67 @@ def run_evaluation(config: EvalConfig, log: Callable[[str], None] | None = None)
     modes = [_action_mode(config, s) for s in specs]  # a contradiction fails before any agent plays
     agents: list[dict[str, Any]] = []
     task_counts: dict[str, int] = {}
-    for label, agent_spec, (constrain, avoid) in zip("AB", specs, modes, strict=False):
-        loaded = load_agent(agent_spec, env, device=config.device, backend=config.backend, log=log)
-        log(
-            f"eval {label}: {loaded.description} on {env} {list(splits)}"
-            + (
-                f" (actions constrained to the env's{', none twice from one state' if avoid else ''})"
-                if constrain
-                else ""
-            )
-        )
-        bar = _progress_bar(config, label, env)
-        tick = None if bar is None else (lambda _finished, bar=bar: bar.update(1))
-        try:
-            records: list[EpisodeRecord] = []
-            for split in splits:
-                played = play_split(
-                    loaded,
-                    env,
-                    split,
-                    config,
-                    env_kwargs,
-                    max_new_tokens,
-                    tick,
-                    constrain_actions=constrain,
-                    avoid_repeats=avoid,
+    sessions: dict[str, RolloutSession] = {}
+    try:
+        for label, agent_spec, (constrain, avoid) in zip("AB", specs, modes, strict=False):
+            loaded = load_agent(agent_spec, env, device=config.device, backend=config.backend, log=log)
+            log(
+                f"eval {label}: {loaded.description} on {env} {list(splits)}"
+                + (
+                    f" (actions constrained to the env's{', none twice from one state' if avoid else ''})"
+                    if constrain
+                    else ""
                 )
-                task_counts[split] = len({r.task_id for r in played})
-                records += played
-        finally:
-            loaded.close()
-            if bar is not None:
-                bar.close()
-        results = []
-        for temperature in config.temperatures:
-            mode = [r for r in records if r.temperature == temperature]
-            results.append(
+            )
+            bar = _progress_bar(config, label, env)
+            tick = None if bar is None else (lambda _finished, bar=bar: bar.update(1))
+            try:
+                records: list[EpisodeRecord] = []
+                for split in splits:
+                    if split not in sessions:  # kept for the next agent: its workers start once
+                        sessions[split] = eval_session(env, split, config, env_kwargs)
+                    played = play_split(
+                        loaded,
+                        env,
+                        split,
+                        config,
+                        env_kwargs,
+                        max_new_tokens,
+                        tick,
+                        constrain_actions=constrain,
+                        avoid_repeats=avoid,
+                        session=sessions[split],
+                    )
+                    task_counts[split] = len({r.task_id for r in played})
+                    records += played
+            finally:
+                loaded.close()
+                if bar is not None:
+                    bar.close()
+            results = []
+            for temperature in config.temperatures:
+                mode = [r for r in records if r.temperature == temperature]
+                results.append(
+                    {
+                        "temperature": temperature,
+                        "summary": summarize(mode, pass_k),
+                        "breakdown": breakdown(mode, pass_k),
+                    }
+                )
+            agents.append(
                 {
-                    "temperature": temperature,
-                    "summary": summarize(mode, pass_k),
-                    "breakdown": breakdown(mode, pass_k),
+                    "label": label,
+                    "agent": str(agent_spec),
+                    "description": loaded.description,
+                    "constrain_actions": constrain,
+                    "avoid_repeats": avoid,
+                    "results": results,
+                    "episodes": [r.to_dict() for r in records],
                 }
             )
-        agents.append(
-            {
-                "label": label,
-                "agent": str(agent_spec),
-                "description": loaded.description,
-                "constrain_actions": constrain,
-                "avoid_repeats": avoid,
-                "results": results,
-                "episodes": [r.to_dict() for r in records],
-            }
-        )
+    finally:
+        for session in sessions.values():
+            session.close()
     report: dict[str, Any] = {
         "env": env,
         "splits": list(splits),

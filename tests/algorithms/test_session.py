@@ -1,0 +1,94 @@
+"""``RolloutSession``: a kept session plays a job as a fresh one does, and the runtime plays any ``Agent``.
+
+Real components: the real Math-TIR env and its tool sandbox in worker processes, the base ``tiny`` model, the
+env's scripted expert (an ``Agent`` with ``act`` and ``end_episode`` only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from streamrl.agents.base import SamplingParams, derive_seed
+from streamrl.agents.env_specs import make_env
+from streamrl.agents.hf_backend import HFBackend
+from streamrl.agents.models import resolve_model
+from streamrl.agents.rollout import play_episode
+from streamrl.algorithms.runtime import Job, Rollouts, collect
+from streamrl.algorithms.session import RolloutSession
+from streamrl.envs.vector import VectorEnvConfig
+
+
+def _played(trajectory: Any) -> dict[str, Any]:
+    """A trajectory's content without its wall-clock timings."""
+    data = trajectory.to_dict()
+    data.pop("timings")
+    for turn in data["turns"]:
+        turn.pop("generation_seconds")
+    return data
+
+
+def test_a_kept_session_plays_every_evaluation_as_a_fresh_session_does() -> None:
+    # Two evaluations through one session (its worker processes and sandboxes kept) and one through a fresh
+    # session: the same jobs, agent seeds and env seeds give the same trajectories, token for token.
+    backend = HFBackend(resolve_model("tiny"))
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=24, seed=7)
+    workers = VectorEnvConfig(backend="subprocess")
+    try:
+        with RolloutSession("math_tir", "test", num_envs=3, workers=workers) as kept:
+            jobs = [Job(t, i) for i, t in enumerate(kept.first_tasks(2) * 3)]
+            first = kept.play(kept.llm_agent(backend, sampling), jobs, seed=11)
+            pids = kept.venv.worker_pids()
+            second = kept.play(kept.llm_agent(backend, sampling), jobs, seed=11)
+            assert kept.venv.worker_pids() == pids  # the same live workers played again
+        with RolloutSession("math_tir", "test", num_envs=3, workers=workers) as fresh:
+            third = fresh.play(fresh.llm_agent(backend, sampling), jobs, seed=11)
+    finally:
+        backend.close()
+    assert [f.job for f in first] == jobs
+    assert sum(f.trajectory.num_action_tokens for f in first) > 0
+    assert [_played(f.trajectory) for f in second] == [_played(f.trajectory) for f in first]
+    assert [_played(f.trajectory) for f in third] == [_played(f.trajectory) for f in first]
+
+
+def test_first_tasks_names_the_valid_range() -> None:
+    session = RolloutSession("math_tir", "test", num_envs=1)
+    n = len(session.task_ids)
+    assert session.first_tasks(2) == session.task_ids[:2]
+    with pytest.raises(ValueError, match=rf"tasks={n + 1} must be in \[1, {n}\]"):
+        session.first_tasks(n + 1)
+    session.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        session.venv  # noqa: B018
+
+
+def test_a_scripted_agent_plays_through_the_runtime_as_it_plays_alone() -> None:
+    # The expert keeps no record; the runtime records its turns. Each episode equals the one play_episode plays
+    # with the same env seed: the same actions, observations, verdicts and outcome.
+    with RolloutSession(
+        "math_tir", "train", num_envs=2, workers=VectorEnvConfig(backend="inprocess")
+    ) as session:
+        tasks = session.first_tasks(3)
+        jobs = [Job(t, 10 + i) for i, t in enumerate(tasks)]
+        done = collect(Rollouts(session.venv, session.expert(), seed=5, lockstep=True), jobs)
+        env = make_env("math_tir", "train")
+        try:
+            expert = session.expert()
+            alone = [
+                play_episode(
+                    env, expert, seed=derive_seed(5, "env", job.key), options={"task_id": job.task_id}
+                )
+                for job in jobs
+            ]
+        finally:
+            env.close()
+    assert [d.trajectory.won for d in done] == [a.won for a in alone]
+    assert any(a.won for a in alone)
+    for item, result in zip(done, alone, strict=True):
+        trajectory = item.trajectory
+        assert trajectory.task_id == item.job.task_id
+        assert trajectory.reward == result.reward
+        assert [t.action for t in trajectory.turns] == [t.action for t in result.turns]
+        assert [t.observation for t in trajectory.turns] == [t.observation for t in result.turns]
+        assert [t.action_valid for t in trajectory.turns] == [t.action_valid for t in result.turns]
+        assert trajectory.num_action_tokens == 0
