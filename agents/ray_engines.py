@@ -19,7 +19,7 @@ engine is (``LLMAgent``, the trainer)::
   version it serves and its log-probs on a probe sequence. Each answer is checked: the version must be ``v``
   and the log-probs those of ``streamrl_probe.json`` in the directory (``write_adapter_probe``; the trainer
   writes it with the learner's own log-probs), or without that file those of the first engine, within the
-  mean tolerance ``probe_atol`` (the vLLM backend's adapter check, ``streamrl.agents.vllm_backend``). Else
+  mean tolerance ``probe_atol`` (the one probe check, ``streamrl.agents.probe``). Else
   ``AdapterMismatchError`` names the engine. ``adapter_version`` moves to ``v`` only when every engine
   confirmed it.
 - **Failures.** An engine whose actor dies (killed, crashed, its node lost), or whose call runs past
@@ -56,14 +56,15 @@ from typing import Any, Literal, TypeAlias
 from streamrl.agents.base import Generation, SamplingParams, check_choices, request_seeds
 from streamrl.agents.hf_backend import HFBackend, HFBackendConfig, load_weights
 from streamrl.agents.models import load_tokenizer, resolve_model
-from streamrl.agents.vllm_backend import (
+from streamrl.agents.probe import (
+    PROBE_FILE,
     AdapterMismatchError,
-    VLLMBackendConfig,
+    check_probe,
     probe_atol,
-    probe_mismatch,
     probe_token_ids,
     read_adapter_probe,
 )
+from streamrl.agents.vllm_backend import VLLMBackendConfig
 from streamrl.envs.ray_workers import DEFAULT_ACTOR_OPTIONS
 from streamrl.utils.ray import node_address, require_ray
 
@@ -222,7 +223,7 @@ class RayEngines:
         ``config``: each engine's ``HFBackendConfig`` (default) or ``VLLMBackendConfig``. ``actor_options``:
         Ray's ``actor.options(**...)`` (resources, scheduling, runtime env), laid over one CPU (module doc).
         ``seed``: draws the request seeds of calls that name none. ``probe_atol``: the publication check's
-        mean tolerance (``None``: by the engines' dtype, ``streamrl.agents.vllm_backend.probe_atol``)."""
+        mean tolerance (``None``: by the engines' dtype, ``streamrl.agents.probe.probe_atol``)."""
         if engines < 1:
             raise ValueError(f"engines must be >= 1, got {engines}")
         for name, value in (("request_timeout_s", request_timeout_s), ("start_timeout_s", start_timeout_s)):
@@ -437,7 +438,7 @@ class RayEngines:
         self._check_open()
         stored = read_adapter_probe(path) if path is not None else None
         if stored is not None:
-            probe, expected, source = stored[0], stored[1], f"{Path(path or '') / 'streamrl_probe.json'}"
+            probe, expected, source = stored[0], stored[1], f"{Path(path or '') / PROBE_FILE}"
         else:
             probe, expected, source = probe_token_ids(self._vocab_size()), None, "engine 0's"
         published = _Published(self._ray.put(policy), policy.version, probe, expected, source)
@@ -470,13 +471,13 @@ class RayEngines:
             published.expected = served
             return
         atol = self.probe_atol if self.probe_atol is not None else probe_atol(str(slot.info.get("dtype")))
-        error, worst = probe_mismatch(served, published.expected)
-        if not error <= atol:
+        mismatch = check_probe(served, published.expected, atol=atol)
+        if mismatch is not None:
             raise AdapterMismatchError(
                 f"rollout engine {slot.index} (node {slot.info.get('node')}) does not serve the published policy "
                 f"v{published.version}: on a {len(published.probe)}-token probe its log-probs differ from "
-                f"{published.source} by {error:.4g} nats/token on average (at most {worst:.4g}; allowed mean "
-                f"{atol:.3g})"
+                f"{published.source} by {mismatch.mean:.4g} nats/token on average (at most {mismatch.worst:.4g}; "
+                f"allowed mean {atol:.3g})"
             )
 
     def _vocab_size(self) -> int:

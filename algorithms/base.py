@@ -5,10 +5,12 @@ questions, each a small method or config field next to its paper's equation:
 
 1. **Which tracker.** ``tracker_config(seed)``: event-time memory (SPO++), receipt-order with drift (SPO) or
    bookkeeping only (GRPO, SAO).
-2. **Which trajectories form a batch.** ``config.batch_rule``: ``"current-version"`` (the first completed
-   requests of the current policy version; older work is recorded in the tracker but not trained -- SPO++
-   §2.4), ``"any"`` (first completed, any version within the runtime's staleness bound -- SPO, SAO) or
-   ``"groups"`` (complete groups of ``config.group_size`` rollouts of one task -- GRPO).
+2. **Which trajectories form a batch.** ``config.batch_rule`` names the rule, ``batch_rule`` is its strategy
+   (``streamrl.algorithms.batching``): ``"current-version"`` (the first completed requests of the current
+   policy version; older work is recorded in the tracker but not trained -- SPO++ §2.4), ``"any"`` (first
+   completed, any version within the runtime's staleness bound -- SPO, SAO) or ``"groups"`` (complete groups
+   of ``config.group_size`` rollouts of one task -- GRPO). An algorithm with a rule of its own overrides
+   ``batch_rule``.
 3. **When outcomes reach the tracker.** ``on_complete`` (default: when the episode returns, so later
    dispatches see it -- SPO++ Eq. 3) and ``after_update`` (SPO records after its update, with drift).
 4. **The advantages.** ``advantages(episodes)``: one value per episode (broadcast to its action tokens) or
@@ -35,10 +37,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 import torch
 from streamrl.agents.trajectory import Trajectory
+from streamrl.algorithms.batching import RULES, batch_rule
+from streamrl.algorithms.batching import BatchRule as BatchRuleStrategy
 from streamrl.algorithms.losses import (
     LossAggregation,
     PolicyLoss,
@@ -47,11 +51,8 @@ from streamrl.algorithms.losses import (
 )
 from streamrl.algorithms.tracker import EventTracker, Ticket, TrackerConfig
 
-if TYPE_CHECKING:
-    from streamrl.algorithms.learner import Learner
-
 BatchRule = Literal["current-version", "any", "groups"]
-BATCH_RULES: tuple[str, ...] = ("current-version", "any", "groups")
+BATCH_RULES: tuple[str, ...] = tuple(RULES)
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,23 @@ class SetupContext:
     log: Callable[[str], None] = print
 
 
+class PolicyScorer(Protocol):
+    """What an algorithm may ask of the policy after an update (``Algorithm.after_update``): the log-probs of
+    trajectories' action tokens. The learner is one; the algorithm sees nothing else of it, and the learner
+    sees of the algorithm only its loss (``aggregation``, ``policy_loss``): the calls go one way each."""
+
+    def episode_logprobs(self, trajectories: Sequence[Trajectory]) -> list[torch.Tensor]: ...
+
+
+class PolicyObjective(Protocol):
+    """What the learner asks of an algorithm (``Learner.update``): how a step's loss is aggregated and the loss
+    of one micro-batch. ``Algorithm`` is one."""
+
+    def aggregation(self, mask: torch.Tensor) -> LossAggregation: ...
+
+    def policy_loss(self, inputs: PolicyInputs) -> PolicyLoss: ...
+
+
 @dataclass
 class PolicyInputs:
     """One micro-batch for ``Algorithm.policy_loss``: dense ``[b, T-1]`` tensors aligned with predictions.
@@ -185,9 +203,10 @@ class Algorithm(ABC):
         tracker.record(episode.ticket, episode.reward)
 
     def after_update(
-        self, tracker: EventTracker, episodes: Sequence[Episode], learner: Learner
+        self, tracker: EventTracker, episodes: Sequence[Episode], learner: PolicyScorer
     ) -> dict[str, float]:
-        """After the optimizer steps on ``episodes``; returns extra metrics. Default: nothing."""
+        """After the optimizer steps on ``episodes``; returns extra metrics. ``learner`` scores trajectories
+        under the updated policy (SPO's drift). Default: nothing."""
         return {}
 
     # -- 4. advantages ------------------------------------------------------------------------------------
@@ -195,6 +214,11 @@ class Algorithm(ABC):
     def advantages(self, episodes: Sequence[Episode]) -> list[float | torch.Tensor]:
         """Per episode: a scalar (broadcast to all its action tokens) or a 1-D tensor with one value per
         action token, in sequence order (as ``Trajectory.sequences`` holds them)."""
+
+    @property
+    def batch_rule(self) -> BatchRuleStrategy:
+        """The strategy of ``config.batch_rule`` (module doc, point 2); the trainer asks it, never the name."""
+        return batch_rule(self.config.batch_rule, self.config.group_size)
 
     def keep_group(self, rewards: Sequence[float]) -> bool:
         """``batch_rule="groups"`` only: whether a complete group enters the batch (DAPO drops groups whose

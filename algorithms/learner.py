@@ -57,7 +57,7 @@ from streamrl.agents.trajectory import TokenSequence, Trajectory
 from streamrl.algorithms.base import PolicyInputs
 
 if TYPE_CHECKING:
-    from streamrl.algorithms.base import Algorithm, Episode
+    from streamrl.algorithms.base import Episode, PolicyObjective
     from streamrl.algorithms.distributed import RankGroup
 
 Finetune = Literal["auto", "full", "lora"]
@@ -445,13 +445,17 @@ class Learner:
 
     # -- the update ------------------------------------------------------------------------------------------
     def update(
-        self, episodes: Sequence[Episode], advantages: Sequence[float | torch.Tensor], algorithm: Algorithm
+        self,
+        episodes: Sequence[Episode],
+        advantages: Sequence[float | torch.Tensor],
+        objective: PolicyObjective,
     ) -> dict[str, float]:
-        """Train on ``episodes`` with one advantage entry per episode (``Algorithm.advantages``)."""
+        """Train on ``episodes`` with one advantage entry per episode (``Algorithm.advantages``) on the loss of
+        ``objective`` (the algorithm: ``aggregation`` and ``policy_loss`` are all the learner asks of it)."""
         (shard,) = shard_batch(episodes, advantages, 1, self.config.mini_batches)
-        return self.update_shard(shard, algorithm)
+        return self.update_shard(shard, objective)
 
-    def update_shard(self, shard: Shard, algorithm: Algorithm) -> dict[str, float]:
+    def update_shard(self, shard: Shard, objective: PolicyObjective) -> dict[str, float]:
         """Train on this rank's ``shard`` of an update batch (``shard_batch``); every rank of ``self.group``
         calls it at once with its own shard, and all return the metrics of the whole batch."""
         started = time.perf_counter()
@@ -466,7 +470,7 @@ class Learner:
         steps = [
             [i for i, row in enumerate(rows) if shard.mini_batch[row.episode] == m] for m in range(parts)
         ]
-        aggs = [algorithm.aggregation(mask) for mask in self._step_masks(shard, rows, steps)]
+        aggs = [objective.aggregation(mask) for mask in self._step_masks(shard, rows, steps)]
         # pi_old, the policy before the first step: the first step's own forwards run at those weights, so its
         # rows' old log-probs are their training log-probs (detached); the later steps' rows are scored now, in
         # the micro-batches they will train in
@@ -496,7 +500,7 @@ class Learner:
                         agg=agg,
                         entropy=batch.scatter(entropy.float()),
                     )
-                    out = algorithm.policy_loss(inputs)
+                    out = objective.policy_loss(inputs)
                     out.loss.backward()
                     tokens = float(batch.num_action_tokens)
                     weight += tokens

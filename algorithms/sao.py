@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from streamrl.agents.lora import LoRAConfig
@@ -43,15 +43,13 @@ from streamrl.algorithms.base import (
     BatchRule,
     Episode,
     PolicyInputs,
+    PolicyScorer,
     SetupContext,
     register_algorithm,
 )
 from streamrl.algorithms.critic import Critic
 from streamrl.algorithms.losses import PolicyLoss, dis_policy_loss
 from streamrl.algorithms.tracker import EventTracker, TrackerConfig
-
-if TYPE_CHECKING:
-    from streamrl.algorithms.learner import Learner
 
 MLP_PROJECTIONS: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
 """The MLP (FFN) projections of Qwen2/Llama-style decoders: the only modules the critic's LoRA adapts."""
@@ -295,7 +293,7 @@ class SAO(Algorithm):
         )
 
     def after_update(
-        self, tracker: EventTracker, episodes: Sequence[Episode], learner: Learner
+        self, tracker: EventTracker, episodes: Sequence[Episode], learner: PolicyScorer
     ) -> dict[str, float]:
         """K critic steps on the batch towards lambda = 1 returns (also during the warm-up)."""
         c = self.config

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from streamrl.agents.trajectory import Trajectory
@@ -24,15 +24,13 @@ from streamrl.algorithms.base import (
     BatchRule,
     Episode,
     PolicyInputs,
+    PolicyScorer,
     register_algorithm,
     scalar_advantages,
     truncated_is_ppo_loss,
 )
 from streamrl.algorithms.losses import PolicyLoss
 from streamrl.algorithms.tracker import EventTracker, TrackerConfig, logprob_drift
-
-if TYPE_CHECKING:
-    from streamrl.algorithms.learner import Learner
 
 
 @dataclass(frozen=True)
@@ -82,7 +80,7 @@ class SPO(Algorithm):
         )
 
     def after_update(
-        self, tracker: EventTracker, episodes: Sequence[Episode], learner: Learner
+        self, tracker: EventTracker, episodes: Sequence[Episode], learner: PolicyScorer
     ) -> dict[str, float]:
         """File each outcome with the drift of its task's stored response, then store the new response."""
         previous = [self._stored.get(e.task_id) for e in episodes]

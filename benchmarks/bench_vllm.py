@@ -83,7 +83,7 @@ def _adapter(model_path: Path, directory: Path) -> Any:
 def _adapter_loads(backend: Any, workdir: Path) -> dict[str, Any]:
     import torch
     from streamrl.agents.logprobs import token_logprobs
-    from streamrl.agents.vllm_backend import probe_token_ids, write_adapter_probe
+    from streamrl.agents.probe import probe_token_ids, write_adapter_probe
 
     plain, probed = workdir / "plain", workdir / "probed"
     _adapter(backend.model_path, plain)

@@ -17,7 +17,7 @@ For when a GPU machine is at hand (CI has none). What it does and records:
 3. **vLLM.** ``VLLMBackend`` on the base model, ``set_adapter(published, 1)`` (its own check: the served probe
    log-probs must match the probe file, else ``AdapterMismatchError``), then one Math-TIR episode through the
    runtime. Checks: every generated token carries version 1; the served probe is within the trainer's publish
-   tolerance of the learner's (max |diff| <= 5e-2 on CUDA, 1e-3 on CPU, as ``Trainer._publish``), and the
+   tolerance of the learner's (max |diff| <= 5e-2 on CUDA, 1e-3 on CPU, as ``Publisher.publish``), and the
    base model served instead would have failed that (else the check proves nothing: at bf16 the backend's own
    check resolves only ~0.2 nats/token, which is why ``--lr`` is high). Records the rollout's log-probs
    against the learner's on the same tokens (trainer/inference mismatch). Skipped, with a note, where vLLM is
@@ -43,7 +43,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 PUBLISH_TOLERANCE = {"cuda": 5e-2, "cpu": 1e-3}
-"""Max |served - learner| probe log-prob the trainer accepts after a publish (``Trainer._publish``)."""
+"""Max |served - learner| probe log-prob the trainer accepts after a publish (``Publisher.tolerance``)."""
 
 
 def learner_part(
@@ -54,7 +54,7 @@ def learner_part(
     from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
     from streamrl.agents.logprobs import token_logprobs
     from streamrl.agents.models import load_model, resolve_model
-    from streamrl.agents.vllm_backend import probe_token_ids, write_adapter_probe
+    from streamrl.agents.probe import probe_token_ids, write_adapter_probe
     from streamrl.algorithms.base import make_algorithm
     from streamrl.algorithms.learner import Learner, LearnerConfig
 

@@ -220,7 +220,7 @@ def test_adapters_hot_load_by_version_with_fresh_lora_ids(base: Any, adapters: d
 
 def test_adapter_check_catches_a_wrong_adapter(base: Any, adapters: dict) -> None:
     from safetensors.torch import load_file, save_file
-    from streamrl.agents.vllm_backend import AdapterMismatchError, probe_token_ids, write_adapter_probe
+    from streamrl.agents.probe import AdapterMismatchError, probe_token_ids, write_adapter_probe
 
     root, models = adapters["root"], adapters["models"]
     ids = probe_token_ids(base.vocab_size, 24, seed=11)

@@ -56,8 +56,8 @@ from helpers import (
 from streamrl.agents.base import SamplingParams
 from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
 from streamrl.agents.models import load_tokenizer, resolve_model
+from streamrl.agents.probe import AdapterMismatchError, read_adapter_probe, write_adapter_probe
 from streamrl.agents.ray_engines import RayEngines
-from streamrl.agents.vllm_backend import AdapterMismatchError, read_adapter_probe, write_adapter_probe
 from streamrl.algorithms.base import Episode, make_algorithm
 from streamrl.algorithms.distributed import DistributedLearner
 from streamrl.algorithms.learner import LearnerConfig

@@ -630,7 +630,7 @@ def test_a_corrupted_policy_and_a_missing_version_raise(
         trainer.run()
     assert trainer.tracker.version == 0
     with pytest.raises(PublishError, match="v7 is missing"):
-        trainer._serve(trainer.run_dir / "policy" / "v7", 7)
+        trainer.publisher.serve(7)
 
 
 # ---------------------------------------------------------------------------------------------------------
