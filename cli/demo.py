@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from streamrl.algorithms.run_dir import RunDir
 from streamrl.evaluation.compare import held_out_evaluations, paired_gain, paired_gain_by_episode
 from streamrl.evaluation.stats import clustered_wilson_interval, wilson_interval
 
@@ -123,7 +124,7 @@ def run_demo(config: DemoConfig, log: Callable[[str], None] = print) -> dict[str
 
     started = time.perf_counter()
     train_config = config.train_config()
-    resume = (config.out / "config.json").is_file()
+    resume = RunDir(config.out).is_run()
     log(
         f"streamrl demo: SPO++ on Math-TIR, tiny from its SFT checkpoint, {config.updates} updates of "
         f"{config.batch}, held-out evaluation of {config.eval_episodes} episodes every {config.eval_every} "

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from streamrl.algorithms.run_dir import RunDir
 from streamrl.cli.args import (
     add_dataclass_arguments,
     dataclass_from_args,
@@ -238,10 +239,10 @@ def parse_train_args(argv: Sequence[str]) -> tuple[TrainRunOptions, Any]:
     known, _ = pre.parse_known_args(list(argv))
     base: dict[str, Any] = {}
     if known.resume is not None:
-        saved = known.resume / "config.json"
-        if not saved.is_file():
+        saved = RunDir(known.resume)
+        if not saved.is_run():
             raise SystemExit(f"streamrl train: --resume {known.resume}: no run there (no config.json)")
-        base = json.loads(saved.read_text())
+        base = saved.read_config()
     elif known.config is not None:
         base = load_config_file(known.config)
     algo = known.algo or base.get("algo") or TrainConfig.algo

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from streamrl.algorithms.run_dir import RunDir
 from streamrl.evaluation.curves import (
     BATCH,
     HELD_OUT,
@@ -324,14 +325,7 @@ def _run_facts(run: Path) -> dict[str, Any]:
 
 def held_out_evaluations(run: str | Path) -> dict[int, list[dict[str, Any]]]:
     """The held-out evaluations' per-episode records by update (``evals/update-N.jsonl``)."""
-    run = Path(run)
-    files = sorted((run / "evals").glob("update-*.jsonl"))
-    if not files:
-        raise FileNotFoundError(f"{run} has no held-out evaluations (evals/update-*.jsonl)")
-    return {
-        int(f.stem.removeprefix("update-")): [json.loads(line) for line in f.read_text().splitlines()]
-        for f in files
-    }
+    return RunDir(run).evaluations()
 
 
 def _paired(
@@ -366,7 +360,8 @@ def _held_out_gain(run: Path) -> dict[str, Any] | None:
     """The run's last held-out evaluation against its first, paired on the same episodes, with the 95 % interval
     clustered by task (``paired_gain``); ``None`` without two evaluations on the same episodes of two tasks
     or more."""
-    evals = held_out_evaluations(run) if (run / "evals").is_dir() and any((run / "evals").iterdir()) else {}
+    files = RunDir(run)
+    evals = files.evaluations() if files.evals.is_dir() and any(files.evals.iterdir()) else {}
     if len(evals) < 2 or len({r["task_id"] for r in evals[min(evals)]}) < 2:
         return None
     try:

@@ -24,16 +24,15 @@ Formulas and meaning: ``docs/evaluation.md``; plots and reports: ``streamrl.eval
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from streamrl.algorithms.run_dir import METRICS_FILE, RunDir
 from streamrl.evaluation.stats import sample_sd
 
-METRICS_FILE = "metrics.jsonl"
 HELD_OUT = "eval/success"
 """The held-out evaluation's success column (the default curve)."""
 BATCH = "batch/success"
@@ -75,26 +74,13 @@ class Curve:
 def read_metrics(run: str | Path) -> list[dict[str, Any]]:
     """The rows of ``run``'s ``metrics.jsonl``, one per update in update order (when an update appears twice,
     as after a resume that replayed it, the last row wins). Raises ``FileNotFoundError`` naming the path."""
-    path = Path(run) / METRICS_FILE
-    if not path.is_file():
-        what = "no such directory" if not Path(run).is_dir() else f"no {METRICS_FILE} in it"
-        raise FileNotFoundError(f"run {str(run)!r}: {what} (a run directory of `streamrl train` holds one)")
-    rows: dict[int, dict[str, Any]] = {}
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{number}: not a JSON row ({error})") from None
-        rows[int(row.get("update", 0))] = row
-    return [rows[u] for u in sorted(rows)]
+    return RunDir(run).read_metrics()
 
 
 def run_config(run: str | Path) -> dict[str, Any]:
     """The run's saved ``config.json`` (``{}`` if it has none)."""
-    path = Path(run) / "config.json"
-    return dict(json.loads(path.read_text())) if path.is_file() else {}
+    files = RunDir(run)
+    return files.read_config() if files.is_run() else {}
 
 
 def numeric_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
