@@ -41,8 +41,7 @@ from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 import torch
 from streamrl.agents.trajectory import Trajectory
-from streamrl.algorithms.batching import RULES, batch_rule
-from streamrl.algorithms.batching import BatchRule as BatchRuleStrategy
+from streamrl.algorithms.batching import RULES, BatchStrategy, batch_rule
 from streamrl.algorithms.losses import (
     LossAggregation,
     PolicyLoss,
@@ -216,7 +215,7 @@ class Algorithm(ABC):
         action token, in sequence order (as ``Trajectory.sequences`` holds them)."""
 
     @property
-    def batch_rule(self) -> BatchRuleStrategy:
+    def batch_rule(self) -> BatchStrategy:
         """The strategy of ``config.batch_rule`` (module doc, point 2); the trainer asks it, never the name."""
         return batch_rule(self.config.batch_rule, self.config.group_size)
 

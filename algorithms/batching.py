@@ -33,8 +33,9 @@ if TYPE_CHECKING:
     from streamrl.algorithms.runtime import Job
 
 
-class BatchRule:
-    """Single-stream rule ``any``: the first finished episodes of any version within the staleness bound."""
+class BatchStrategy:
+    """A batch rule (module doc). Its answers here are those of the single-stream rule ``any``, which
+    ``AnyVersion`` names; the other rules override what they decide differently."""
 
     name: ClassVar[str] = "any"
 
@@ -88,7 +89,13 @@ class BatchRule:
         return due + rest[: need - len(due)]
 
 
-class CurrentVersion(BatchRule):
+class AnyVersion(BatchStrategy):
+    """``any`` (SPO, SAO): the first finished episodes of any version within the staleness bound."""
+
+    name = "any"
+
+
+class CurrentVersion(BatchStrategy):
     """``current-version`` (SPO++ §2.4): the first completed requests of the current version; work of a
     superseded version is filed in the tracker when it returns and never trained."""
 
@@ -107,7 +114,7 @@ class CurrentVersion(BatchRule):
         return []
 
 
-class Groups(BatchRule):
+class Groups(BatchStrategy):
     """``groups`` (GRPO): complete groups of ``group_size`` rollouts of one task, trained together."""
 
     name = "groups"
@@ -131,11 +138,11 @@ class Groups(BatchRule):
         return [e for e in buffer if e.group in groups]
 
 
-RULES: dict[str, type[BatchRule]] = {rule.name: rule for rule in (CurrentVersion, BatchRule, Groups)}
+RULES: dict[str, type[BatchStrategy]] = {rule.name: rule for rule in (CurrentVersion, AnyVersion, Groups)}
 """The rules by the name ``AlgorithmConfig.batch_rule`` gives."""
 
 
-def batch_rule(name: str, group_size: int = 1) -> BatchRule:
+def batch_rule(name: str, group_size: int = 1) -> BatchStrategy:
     """The strategy of the rule called ``name``."""
     if name not in RULES:
         raise ValueError(f"batch_rule must be one of {tuple(RULES)}, got {name!r}")
@@ -147,7 +154,7 @@ class EpisodeBuffer:
 
     ``add`` / ``fail`` / ``drain`` return the episodes they drop, for the caller's ledger."""
 
-    def __init__(self, rule: BatchRule, keep_group: Callable[[Sequence[float]], bool]) -> None:
+    def __init__(self, rule: BatchStrategy, keep_group: Callable[[Sequence[float]], bool]) -> None:
         self.rule = rule
         self.keep_group = keep_group
         """Whether a complete group enters the batch (``Algorithm.keep_group``)."""
@@ -197,7 +204,7 @@ class EpisodeBuffer:
         return stale
 
     def take(self, size: int, *, publishing: bool, limit: int) -> list[Episode] | None:
-        """The next batch (``BatchRule.take``), removed from the buffer; ``None`` when it cannot fill yet."""
+        """The next batch (``BatchStrategy.take``), removed from the buffer; ``None`` when it cannot fill yet."""
         batch = self.rule.take(self.episodes, size, publishing=publishing, limit=limit)
         if batch is None:
             return None

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from streamrl.agents.trajectory import Trajectory
 from streamrl.algorithms.base import Episode, make_algorithm
-from streamrl.algorithms.batching import BatchRule, CurrentVersion, EpisodeBuffer, Groups, batch_rule
+from streamrl.algorithms.batching import AnyVersion, CurrentVersion, EpisodeBuffer, Groups, batch_rule
 from streamrl.algorithms.tracker import Ticket
 
 
@@ -26,7 +26,7 @@ def job(version: int) -> SimpleNamespace:
 
 def test_each_algorithm_owns_the_strategy_its_config_names() -> None:
     assert type(make_algorithm("spo++").batch_rule) is CurrentVersion
-    assert type(make_algorithm("spo").batch_rule) is BatchRule
+    assert type(make_algorithm("spo").batch_rule) is AnyVersion
     grpo = make_algorithm("grpo", group_size=4).batch_rule
     assert type(grpo) is Groups and grpo.group_size == 4 and not grpo.one_per_task
     with pytest.raises(ValueError, match=r"batch_rule must be one of \('current-version', 'any', 'groups'\)"):
@@ -51,7 +51,7 @@ def test_current_version_drains_superseded_work_and_never_waits() -> None:
 
 
 def test_any_rule_trains_the_due_episodes_first_and_waits_for_old_work_before_a_publication() -> None:
-    buffer = EpisodeBuffer(BatchRule(), keep_group=lambda rewards: True)
+    buffer = EpisodeBuffer(AnyVersion(), keep_group=lambda rewards: True)
     recent, old_late, old_early = episode(5, 1), episode(3, 0), episode(2, 0)
     for e in (recent, old_late, old_early):
         buffer.add(e)
