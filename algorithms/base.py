@@ -29,10 +29,7 @@ publication, checkpoints -- is shared, so swapping the algorithm is one argument
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import importlib.util
-import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -49,6 +46,7 @@ from streamrl.algorithms.losses import (
     rollout_importance_weights,
 )
 from streamrl.algorithms.tracker import EventTracker, Ticket, TrackerConfig
+from streamrl.utils.modules import import_user_module
 
 BatchRule = Literal["current-version", "any", "groups"]
 BATCH_RULES: tuple[str, ...] = tuple(RULES)
@@ -290,23 +288,9 @@ def algorithm_class(spec: str) -> type[Algorithm]:
         return ALGORITHMS[spec]
     if ":" in spec:
         where, _, attr = spec.rpartition(":")
-        if where.endswith(".py"):
-            path = Path(where)
-            if not path.is_file():
-                raise FileNotFoundError(f"algorithm file {where!r} does not exist (from --algo {spec!r})")
-            # one module per file (by resolved path), executed once however often it is named
-            resolved = str(path.resolve())
-            mod_name = f"streamrl_user_{path.stem}_{hashlib.sha1(resolved.encode()).hexdigest()[:8]}"
-            if mod_name in sys.modules:
-                module = sys.modules[mod_name]
-            else:
-                module_spec = importlib.util.spec_from_file_location(mod_name, path)
-                assert module_spec is not None and module_spec.loader is not None
-                module = importlib.util.module_from_spec(module_spec)
-                sys.modules[mod_name] = module
-                module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
+        if where.endswith(".py") and not Path(where).is_file():
+            raise FileNotFoundError(f"algorithm file {where!r} does not exist (from --algo {spec!r})")
+        module = import_user_module(where)  # a file: one module per resolved path, run once
         cls = getattr(module, attr, None)
         if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
             raise ValueError(f"{spec!r} does not name an Algorithm subclass (found {cls!r})")
