@@ -53,7 +53,8 @@ from streamrl.algorithms.learner import Learner
 from streamrl.algorithms.publish import Publisher, PublishError
 from streamrl.algorithms.run_dir import RunDir
 from streamrl.algorithms.run_log import TrainingLog
-from streamrl.algorithms.runtime import Finished, Job, Rollouts, collect
+from streamrl.algorithms.runtime import Finished, Job, Rollouts
+from streamrl.algorithms.session import RolloutSession
 from streamrl.algorithms.tracker import EventTracker, Ticket
 from streamrl.algorithms.train_config import (
     PLACEMENT,
@@ -67,6 +68,7 @@ from streamrl.evaluation.stats import clustered_t_interval, t_interval
 from streamrl.utils.cache import atomic_write_text
 
 if TYPE_CHECKING:
+    from streamrl.agents.llm_agent import LLMAgent
     from streamrl.envs.vector import VectorEnvConfig
 
 __all__ = [
@@ -178,9 +180,8 @@ class Trainer:
 
     # -- construction ----------------------------------------------------------------------------------------
     def _build(self) -> None:
-        from streamrl.agents.env_specs import env_spec, make_env, task_ids_of
+        from streamrl.agents.env_specs import env_spec
         from streamrl.agents.models import load_model, load_tokenizer
-        from streamrl.envs.vector import StreamingVectorEnv
 
         c = self.config
         self.spec = env_spec(c.env)
@@ -254,12 +255,11 @@ class Trainer:
             tokenizer=self.tokenizer,
         )
 
+        self._sessions: dict[str, RolloutSession] = {}  # "train", "eval" (_session)
         try:
-            probe_env = make_env(c.env, self.spec.train_split, **dict(c.env_kwargs))
+            task_ids = self._session("train").task_ids
         except TypeError as exc:
             raise ConfigError(f"env_kwargs={dict(c.env_kwargs)} do not fit the {c.env} env: {exc}") from exc
-        task_ids = task_ids_of(probe_env, c.env)
-        probe_env.close()
         if c.tasks is not None:
             if c.tasks < 1 or c.tasks > len(task_ids):
                 raise ConfigError(
@@ -273,10 +273,7 @@ class Trainer:
             )
         self.task_ids = task_ids
         self.tracker = EventTracker(task_ids, self.algorithm.tracker_config(derive_seed(c.seed, "tracker")))
-        env_kwargs = {**self.spec.env_kwargs, **c.env_kwargs}
-        self.venv = StreamingVectorEnv.from_env(
-            self.spec.gym_id, c.num_envs, config=self._workers(), split=self.spec.train_split, **env_kwargs
-        )
+        self.venv = self._session("train").venv
         lockstep = c.max_staleness == 0
         self.rollouts = Rollouts(
             self.venv, self.agent, seed=derive_seed(c.seed, "rollouts"), lockstep=lockstep
@@ -342,13 +339,9 @@ class Trainer:
     def _eval_tasks(self) -> list[str]:
         """The fixed held-out episodes: every task of the split equally often (each ``n // tasks`` times), the
         remainder drawn uniformly without replacement; the same list for every run with the same seed."""
-        from streamrl.agents.env_specs import make_env, task_ids_of
-
         if not self.config.eval_episodes or not self.config.eval_every:
             return []
-        env = make_env(self.config.env, self.eval_split, **dict(self.config.env_kwargs))
-        ids = task_ids_of(env, self.config.env)
-        env.close()
+        ids = self._session("eval").task_ids
         n = self.config.eval_episodes
         rng = random.Random(derive_seed(self.config.seed, "eval-tasks"))
         return ids * (n // len(ids)) + rng.sample(ids, n % len(ids))
@@ -403,6 +396,8 @@ class Trainer:
     def close(self) -> None:
         """Release the env workers, the backend, the learner (and its ranks) and a Ray connection this trainer
         made; also what a build that failed part-way had started."""
+        for session in getattr(self, "_sessions", {}).values():  # their env workers (the training ones too)
+            session.close()
         for name in ("venv", "backend", "learner"):
             part = getattr(self, name, None)
             if part is not None:
@@ -597,35 +592,42 @@ class Trainer:
         )
 
     # -- offline values and evaluation ------------------------------------------------------------------------
-    def _collect(self, side: Rollouts, jobs: Sequence[Job], desc: str) -> list[Finished]:
-        """``collect`` with a progress bar of its episodes (under the run's bar) when the run shows progress."""
-        if not self.show_progress:
-            return collect(side, jobs)
-        from tqdm.auto import tqdm
+    def _session(self, purpose: Literal["train", "eval"]) -> RolloutSession:
+        """The rollout session of the training split or of the held-out split, kept for the run and closed with
+        the trainer. The training one holds the training vector env (offline values play on it before training
+        starts); the held-out one starts its own env workers at the first evaluation (on the training split too:
+        training episodes are in flight then), and every later evaluation reuses them."""
+        if purpose not in self._sessions:
+            c = self.config
+            split = self.spec.train_split if purpose == "train" else self.eval_split
+            self._sessions[purpose] = RolloutSession(
+                c.env, split, num_envs=c.num_envs, env_kwargs=c.env_kwargs, workers=self._workers()
+            )
+        return self._sessions[purpose]
 
-        with tqdm(total=len(jobs), desc=desc, unit="episode", position=1, leave=False) as bar:
-            return collect(side, jobs, progress=lambda _: bar.update(1))
-
-    def _side_rollouts(self, split: str, temperature: float, seed: int) -> Rollouts:
-        """Rollouts on ``split`` with the current policy, apart from training (offline values, evaluation)."""
-        from streamrl.envs.vector import StreamingVectorEnv
-
-        venv = StreamingVectorEnv.from_env(
-            self.spec.gym_id,
-            self.config.num_envs,
-            config=self._workers(),
-            split=split,
-            **{**self.spec.env_kwargs, **self.config.env_kwargs},
-        )
-        sampling = replace(self.sampling, temperature=temperature, seed=seed)
-        agent = self.spec.llm_agent(
+    def _side_agent(self, temperature: float, seed: int) -> LLMAgent:
+        """The policy being trained, sampling at ``temperature`` with run seed ``seed``, apart from training
+        (offline values, evaluation): the rollouts' agent with its action constraint."""
+        return self.spec.llm_agent(
             self.backend,
-            sampling,
+            replace(self.sampling, temperature=temperature, seed=seed),
             constrain_actions=self.config.constrain_actions,
             avoid_repeats=self.config.avoid_repeats,
             tokenizer=self.tokenizer,
         )
-        return Rollouts(venv, agent, seed=seed, lockstep=True)
+
+    def _play(
+        self, purpose: Literal["train", "eval"], jobs: Sequence[Job], temperature: float, seed: int, desc: str
+    ) -> list[Finished]:
+        """Play ``jobs`` on the ``purpose`` session with the current policy (lock-step, env and sampling seeds
+        from ``seed``), with a progress bar of its episodes (under the run's) when the run shows progress."""
+        session, agent = self._session(purpose), self._side_agent(temperature, seed)
+        if not self.show_progress:
+            return session.play(agent, jobs, seed=seed)
+        from tqdm.auto import tqdm
+
+        with tqdm(total=len(jobs), desc=desc, unit="episode", position=1, leave=False) as bar:
+            return session.play(agent, jobs, seed=seed, progress=lambda _: bar.update(1))
 
     def _offline_init(self) -> None:
         n0 = self.config.offline_rollouts
@@ -637,12 +639,9 @@ class Trainer:
             self.log(f"offline values: {cache} (cached)")
         else:
             # seeded apart from the run seed: the values are a function of the cache key, shared by all seeds
-            side = self._side_rollouts(self.spec.train_split, self.config.temperature, derive_seed("offline"))
-            try:
-                jobs = [Job(t, i * n0 + k) for i, t in enumerate(self.task_ids) for k in range(n0)]
-                done = self._collect(side, jobs, "offline values")
-            finally:
-                side.venv.close()
+            jobs = [Job(t, i * n0 + k) for i, t in enumerate(self.task_ids) for k in range(n0)]
+            seed = derive_seed("offline")
+            done = self._play("train", jobs, self.config.temperature, seed, "offline values")
             outcomes = {t: [] for t in self.task_ids}
             for item in done:
                 outcomes[item.job.task_id].append(float(item.trajectory.reward))
@@ -675,14 +674,10 @@ class Trainer:
         """Success on the fixed held-out tasks, with the policy of the current version."""
         started = time.perf_counter()
         # the same episode seeds at every version and in every run with this seed: paired comparisons
-        side = self._side_rollouts(
-            self.eval_split, self.config.eval_temperature, derive_seed(self.config.seed, "eval")
-        )
-        try:
-            jobs = [Job(t, i) for i, t in enumerate(self.eval_tasks)]
-            done = self._collect(side, jobs, f"held-out eval (update {self.updates})")
-        finally:
-            side.venv.close()
+        # on the evaluation split's kept session: its env workers started at the first evaluation
+        jobs = [Job(t, i) for i, t in enumerate(self.eval_tasks)]
+        seed, desc = derive_seed(self.config.seed, "eval"), f"held-out eval (update {self.updates})"
+        done = self._play("eval", jobs, self.config.eval_temperature, seed, desc)
         records = [
             {
                 "key": item.job.key,
@@ -694,11 +689,7 @@ class Trainer:
             }
             for item in sorted(done, key=lambda item: item.job.key)
         ]
-        evals = self.run_dir / "evals"
-        evals.mkdir(exist_ok=True)
-        atomic_write_text(
-            evals / f"update-{self.updates:05d}.jsonl", "".join(json.dumps(r) + "\n" for r in records)
-        )
+        self.files.write_eval(self.updates, records)
         wins = [float(r["won"]) for r in records]
         p = sum(wins) / len(wins)
         row = {
@@ -710,11 +701,11 @@ class Trainer:
             "eval/version": float(self.tracker.version),
             "eval/seconds": time.perf_counter() - started,
         }
-        start = evals / "update-00000.jsonl"
-        if self.updates and start.is_file():
+        start = self.files.read_eval(0) if self.updates else None
+        if start is not None:
             # paired with the start's evaluation: the same tasks and episode seeds, so the per-episode
             # differences cancel most of the sampling noise
-            before = {r["key"]: r for r in map(json.loads, start.read_text().splitlines())}
+            before = {r["key"]: r for r in start}
             if before.keys() == {r["key"] for r in records}:
                 diffs = [float(r["won"]) - float(before[r["key"]]["won"]) for r in records]
                 row.update(_paired_delta(diffs, [r["task_id"] for r in records]))

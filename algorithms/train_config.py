@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from streamrl.algorithms.base import Algorithm, algorithm_class, make_algorithm
 from streamrl.algorithms.learner import LearnerConfig
 from streamrl.algorithms.run_dir import RunDir
+from streamrl.algorithms.session import ActionConstraint, RolloutFields
 
 if TYPE_CHECKING:
     from streamrl.sft import SFTConfig
@@ -39,8 +40,11 @@ PLACEMENT = (
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """Everything a training run needs; saved as the run's ``config.json`` (resume checks it)."""
+class TrainConfig(ActionConstraint, RolloutFields):
+    """Everything a training run needs; saved as the run's ``config.json`` (resume checks it). The rollout fields
+    (``num_envs``, ``tasks``, ``max_new_tokens``, ``constrain_actions``, ``avoid_repeats``) are declared once in
+    ``algorithms.session`` and shared with value pretraining and ``streamrl eval``; the training rollouts, the
+    offline values and the held-out evaluations all play with them."""
 
     out: str = ""
     """Run directory (required)."""
@@ -62,26 +66,12 @@ class TrainConfig:
     """Policy updates to run."""
     batch: int = 64
     """B: trajectories per update (SPO++ paper: 128)."""
-    num_envs: int = 16
-    """Episodes in flight at once (sub-envs of the vector env)."""
     max_staleness: int = 1
     """S: a trained token is at most S versions older than the policy trained (0 = synchronous trainer)."""
-    tasks: int | None = None
-    """Train on the first N tasks of the training split (``None`` = all)."""
     offline_rollouts: int = 8
     """n_0: rollouts per task of the initial policy that initialize the prompt values (0 = uniform prior)."""
     temperature: float = 1.0
     """Rollout sampling temperature (the learner scores under the same temperature)."""
-    constrain_actions: bool = False
-    """Rollouts and evaluations choose among the env's actions (``LLMAgent(constrain_actions=True)``: the prompt
-    format's ``action_choices``, ALFWorld's admissible commands); the learner scores the renormalized policy
-    they sample from. HF backend only."""
-    avoid_repeats: bool = False
-    """With ``constrain_actions``: no command twice from one state (``LLMAgent(avoid_repeats=True)``). Each
-    turn's choices leave out the commands the episode already took from the same observation and choices,
-    unless none would be left; the learner scores that reduced set, the policy the rollouts sampled from."""
-    max_new_tokens: int | None = None
-    """Tokens per turn; ``None`` = the env's default."""
     env_kwargs: Mapping[str, Any] = field(default_factory=dict)
     """Keyword arguments of the env over its spec's (e.g. ``{"max_steps": 8}``: shorter ALFWorld episodes);
     the training, offline-value and evaluation envs all get them."""
@@ -203,7 +193,6 @@ class TrainConfig:
         for name in (
             "updates",
             "batch",
-            "num_envs",
             "threads",
             "keep_versions",
             "learner_ranks",
@@ -211,6 +200,8 @@ class TrainConfig:
         ):
             if getattr(c, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(c, name)}")
+        for error in c.rollout_errors():
+            raise ConfigError(error)
         self._validate_cluster()
         for name in ("max_staleness", "offline_rollouts", "eval_every", "eval_episodes", "checkpoint_every"):
             if getattr(c, name) < 0:
@@ -251,8 +242,8 @@ class TrainConfig:
             raise ConfigError(
                 f"constrain_actions=True: the {c.env} env's prompt format has no action_choices to choose among"
             )
-        if c.avoid_repeats and not c.constrain_actions:
-            raise ConfigError("avoid_repeats=True needs constrain_actions=True: it removes choices")
+        for error in c.constraint_errors():
+            raise ConfigError(error)
         if c.backend == "vllm" and c.learner.finetune == "full":
             raise ConfigError(
                 "the vllm backend loads LoRA adapters; use learner.finetune='lora' (or 'auto' on a large model)"

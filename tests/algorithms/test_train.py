@@ -198,15 +198,11 @@ def test_each_algorithm_trains_end_to_end(
     assert [r["version"] for r in rows] == [u // publish_every for u in range(1, config.updates + 1)]
     assert sum(trainer.tracker.task_stats(t).recorded for t in trainer.task_ids) >= rows[-1]["ledger/trained"]
     # rollouts and the side rollouts (offline values, evaluation) play the configured policy
-    side = trainer._side_rollouts(trainer.spec.train_split, 1.0, 0)
-    try:
-        for agent in (trainer.agent, side.agent):
-            assert (agent.constrain_actions, agent.avoid_repeats) == (
-                config.constrain_actions,
-                config.avoid_repeats,
-            )
-    finally:
-        side.venv.close()
+    for agent in (trainer.agent, trainer._side_agent(1.0, 0)):
+        assert (agent.constrain_actions, agent.avoid_repeats) == (
+            config.constrain_actions,
+            config.avoid_repeats,
+        )
     # no policy step in between: the first update's importance ratio pi_old / pi_rollout is 1 on every token
     assert policy_rows[0]["learner/is_log_weight_abs"] < 1e-5
 
