@@ -32,7 +32,9 @@ class Turn:
 @dataclass
 class EpisodeResult:
     """Outcome of one episode, with the full text transcript and the agent's token record (if any), whose
-    outcome fields (reward, won, terminated, truncated, final info, the last turn's reply) are filled."""
+    outcome fields (reward, won, terminated, truncated, final info, the last turn's reply) are filled. Apart
+    from the ``Trajectory``: an agent may keep no record (a scripted one), and the transcript starts with the
+    reset observation, which a record does not hold."""
 
     task_id: str
     initial_observation: str

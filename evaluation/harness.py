@@ -349,7 +349,8 @@ class EvalConfig(RolloutFields):
 @dataclass(frozen=True)
 class EpisodeRecord:
     """One played episode: its name (split, task, seed, sample), mode and outcome, kept in the report so that
-    agents can be compared episode by episode later (``paired_difference``)."""
+    agents can be compared episode by episode later (``paired_difference``). Not the episode's ``Trajectory``:
+    a report keeps this small JSON summary of every episode (no tokens), named so that two reports pair up."""
 
     split: str
     task_id: str
