@@ -49,7 +49,7 @@ from streamrl.agents.base import GenerationBackend, SamplingParams, derive_seed
 from streamrl.algorithms.base import Algorithm, Episode, SetupContext
 from streamrl.algorithms.batching import EpisodeBuffer
 from streamrl.algorithms.checkpoint import Checkpoints
-from streamrl.algorithms.learner import Learner
+from streamrl.algorithms.placement import env_workers, make_backend, make_learner
 from streamrl.algorithms.publish import Publisher, PublishError
 from streamrl.algorithms.run_dir import RunDir
 from streamrl.algorithms.run_log import TrainingLog
@@ -195,39 +195,7 @@ class Trainer:
             from streamrl.utils.ray import connect
 
             self._ray_connected = connect(c.address)  # and so this trainer disconnects at close()
-        total_steps = c.updates * c.learner.mini_batches * c.learner.epochs
-        if c.learner_ranks > 1:
-            from streamrl.algorithms.distributed import DistributedLearner, LearnerSpec
-
-            spec = LearnerSpec(
-                str(self.model_dir),
-                c.learner,
-                pad_token_id=int(self.tokenizer.pad_token_id),
-                total_steps=total_steps,
-                temperature=c.temperature,
-                algorithm=c.algo,
-                threads=c.threads,
-            )
-            if c.cluster == "ray":
-                from streamrl.algorithms.ray_ranks import RayRanks
-
-                ranks = RayRanks(num_cpus=c.learner_cpus, num_gpus=c.learner_gpus)
-                try:
-                    self.learner = DistributedLearner(
-                        policy, spec, c.learner_ranks, init_method=ranks.init_method(), start_rank=ranks
-                    )
-                except ValueError as exc:  # the ranks' devices do not fit rank 0's
-                    raise ConfigError(str(exc)) from exc
-            else:
-                self.learner = DistributedLearner(policy, spec, c.learner_ranks)
-        else:
-            self.learner = Learner(
-                policy,
-                c.learner,
-                pad_token_id=int(self.tokenizer.pad_token_id),
-                total_steps=total_steps,
-                temperature=c.temperature,
-            )
+        self.learner = make_learner(c, policy, self.model_dir, int(self.tokenizer.pad_token_id))
         context = SetupContext(
             model_dir=self.model_dir,
             device=self.learner.device,
@@ -297,44 +265,12 @@ class Trainer:
         )
 
     def _make_backend(self) -> Any:
-        from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
-        from streamrl.agents.vllm_backend import VLLMBackend, VLLMBackendConfig
-
-        c = self.config
-        config: HFBackendConfig | VLLMBackendConfig
-        if c.backend == "vllm":
-            config = VLLMBackendConfig(
-                max_lora_rank=c.learner.lora_rank, max_loras=c.keep_versions, seed=c.seed
-            )
-        else:  # an engine actor takes the device Ray gave it
-            config = HFBackendConfig(device=c.learner.device if c.cluster == "local" else "auto", seed=c.seed)
-        if c.cluster == "ray":
-            from streamrl.agents.ray_engines import RayEngines
-
-            resources = {"num_cpus": c.engine_cpus, "num_gpus": c.engine_gpus}
-            return RayEngines(
-                self.model_dir,
-                config,
-                engines=c.rollout_engines,
-                actor_options=resources,
-                tokenizer=self.tokenizer,
-            )
-        if isinstance(config, VLLMBackendConfig):
-            return VLLMBackend(str(self.model_dir), config=config)
-        # The rollout backend has weights of its own: what it serves changes only at publication.
-        return HFBackend(self.model_dir, tokenizer=self.tokenizer, config=config)
+        """The rollout backend of ``config`` (a subclass may serve another)."""
+        return make_backend(self.config, self.model_dir, self.tokenizer)
 
     def _workers(self) -> VectorEnvConfig:
         """How the sub-envs are hosted (``VectorEnvConfig``): local worker processes, or Ray actors."""
-        from streamrl.envs.vector import VectorEnvConfig
-
-        c = self.config
-        if c.cluster == "local":
-            return VectorEnvConfig(backend=c.env_workers)
-        per_actor = c.num_envs // (c.env_actors or c.num_envs)
-        return VectorEnvConfig(
-            backend="ray", envs_per_worker=per_actor, ray_actor_options={"num_cpus": c.env_actor_cpus}
-        )
+        return env_workers(self.config)
 
     def _eval_tasks(self) -> list[str]:
         """The fixed held-out episodes: every task of the split equally often (each ``n // tasks`` times), the
