@@ -34,6 +34,7 @@ import functools
 import json
 import math
 import random
+import re
 import signal
 import threading
 import time
@@ -604,7 +605,9 @@ class Trainer:
             ],
         )
         name = hashlib.sha256(key.encode()).hexdigest()[:20]
-        return cache_root() / "offline_values" / f"{self.model_dir.name}-{self.config.env}-{name}.json"
+        # an env named by its module ("examples/custom_env.py:guess_number") is one file name, not a folder
+        env = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.config.env)
+        return cache_root() / "offline_values" / f"{self.model_dir.name}-{env}-{name}.json"
 
     def _evaluate(self) -> dict[str, float]:
         """Success on the fixed held-out tasks, with the policy of the current version."""

@@ -49,7 +49,8 @@ class TrainConfig(ActionConstraint, RolloutFields):
     out: str = ""
     """Run directory (required)."""
     env: str = "math_tir"
-    """``"math_tir"``, ``"alfworld"``, or a name given to ``agents.env_specs.register_env_spec``."""
+    """``"math_tir"``, ``"alfworld"``, a name given to ``agents.env_specs.register_env_spec``, or
+    ``module:name`` / ``file.py:name`` of a module whose import registers it (``agents.env_specs.env_spec``)."""
     algo: str = "spo++"
     """``spo``, ``spo++``, ``grpo``, ``sao``, or ``module:Class`` / ``file.py:Class`` for your own."""
     model: str = "tiny"

@@ -6,6 +6,7 @@ played by an ``LLMAgent`` on the tiny model, and trains two SPO++ updates from P
 from __future__ import annotations
 
 import json
+import re
 import string
 import subprocess
 import sys
@@ -65,6 +66,9 @@ def test_streamrl_train_imports_the_env_from_its_file_and_resumes(tmp_path: Path
     out = _run([*cli, "--env", env, *CLI_FLAGS, "--out", str(tmp_path / "cli")], REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     assert _assert_trained(tmp_path / "cli", 2)["env"] == env
+    # the offline values are cached in one file, whatever the env name holds ('/', ':')
+    (cache,) = re.findall(r"offline values: .*?(\S+\.json)", out.stdout + out.stderr)
+    assert Path(cache).parent.name == "offline_values"
     # --resume reads the env from the run's config.json: a fresh process imports the file again
     out = _run([*cli, "--resume", str(tmp_path / "cli"), "--updates", "3", "--no-progress"], REPO)
     assert out.returncode == 0, out.stderr[-3000:]
