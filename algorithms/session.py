@@ -129,6 +129,10 @@ class RolloutSession:
         self._venv = venv
         self._owns_venv = venv is None
         self.closed = False
+        self.generation_seconds = 0.0
+        """Wall time the agents' generation calls took in this session's plays (``Rollouts.generation_seconds``)."""
+        self.generated_tokens = 0
+        """Action tokens generated in this session's plays."""
 
     # -- the split's tasks ------------------------------------------------------------------------------------
     @functools.cached_property
@@ -229,7 +233,12 @@ class RolloutSession:
         run (``Rollouts``); ``progress`` is called with each finished job."""
         if len({job.key for job in jobs}) != len(jobs):
             raise ValueError("every job of a play needs its own key (its seeds derive from it)")
-        return collect(Rollouts(self.venv, agent, seed=seed, lockstep=lockstep), jobs, progress)
+        rollouts = Rollouts(self.venv, agent, seed=seed, lockstep=lockstep)
+        try:
+            return collect(rollouts, jobs, progress)
+        finally:
+            self.generation_seconds += rollouts.generation_seconds
+            self.generated_tokens += rollouts.generated_tokens
 
     def close(self) -> None:
         """Stop the env workers this session started (a vector env handed in stays open)."""

@@ -17,7 +17,8 @@ Two wirings play it, interleaved (reference, session, reference, session, ...), 
 * ``wide`` (with ``--wide N``): a kept session of N sub-envs hosted ``N / --num-envs`` per worker process, so
   the backend generates for up to N episodes at once (an option measured, not the trainer's setting).
 
-For each evaluation: wall seconds, seconds to the first finished episode, and whether its records (per episode:
+For each evaluation: wall seconds, seconds to the first finished episode, seconds in generation calls, and
+whether its records (per episode:
 the key, task, won, reward, steps, action tokens and a hash of every generated token id) equal the first
 reference evaluation's. The steady state is the second and later evaluations (a run evaluates 7 times). The
 load average is recorded: the machine may be shared, which is why the two wirings alternate.
@@ -52,6 +53,8 @@ from streamrl.envs.vector import StreamingVectorEnv, VectorEnvConfig
 
 HERE = Path(__file__).resolve().parent
 ENV = "math_tir"
+GENERATION: dict[str, float] = {}
+"""Seconds the last evaluation of each wiring spent in generation calls (the rest: env workers and bookkeeping)."""
 
 
 def eval_tasks(seed: int, episodes: int) -> list[str]:
@@ -84,13 +87,11 @@ def fresh_evaluation(
     eval_seed = derive_seed(seed, "eval")
     sampling = SamplingParams(temperature=1.0, max_new_tokens=spec.max_new_tokens, seed=eval_seed)
     agent = spec.llm_agent(backend, sampling, tokenizer=tokenizer)
+    rollouts = Rollouts(venv, agent, seed=eval_seed, lockstep=True)
     try:
-        return collect(
-            Rollouts(venv, agent, seed=eval_seed, lockstep=True),
-            [Job(t, i) for i, t in enumerate(tasks)],
-            tick,
-        )
+        return collect(rollouts, [Job(t, i) for i, t in enumerate(tasks)], tick)
     finally:
+        GENERATION["fresh"] = rollouts.generation_seconds
         venv.close()
 
 
@@ -106,7 +107,10 @@ def session_evaluation(
     eval_seed = derive_seed(seed, "eval")
     sampling = SamplingParams(temperature=1.0, max_new_tokens=session.spec.max_new_tokens, seed=eval_seed)
     agent = session.llm_agent(backend, sampling, tokenizer=tokenizer)
-    return session.play(agent, [Job(t, i) for i, t in enumerate(tasks)], seed=eval_seed, progress=tick)
+    before = session.generation_seconds
+    done = session.play(agent, [Job(t, i) for i, t in enumerate(tasks)], seed=eval_seed, progress=tick)
+    GENERATION["session"] = session.generation_seconds - before
+    return done
 
 
 def records(done: Sequence[Finished]) -> list[dict[str, Any]]:
@@ -192,6 +196,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 )
             for name, play in plays.items():
                 timing, recs = timed(play)
+                timing["generation_s"] = round(GENERATION.pop("fresh" if name == "fresh" else "session"), 2)
                 if reference is None:
                     reference = recs
                 timing["identical_records"] = recs == reference
@@ -209,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "first_evaluation_s": timings[0]["seconds"],
             "steady_median_s": statistics.median(t["seconds"] for t in steady),
             "steady_first_result_median_s": statistics.median(t["first_result_s"] for t in steady),
+            "steady_generation_median_s": statistics.median(t["generation_s"] for t in steady),
             "all_records_identical": all(t["identical_records"] for t in timings),
         }
     for name in sessions:
