@@ -95,7 +95,7 @@ class TrainConfig(ActionConstraint, RolloutFields):
     they are Ray actors."""
     cluster: Cluster = "local"
     """Where env workers, rollout engines and learner ranks 1..R-1 run: ``"local"`` (this process and its
-    subprocesses) or ``"ray"`` (Ray actors on the cluster at ``address``: README "Scaling out"). The runtime and
+    subprocesses) or ``"ray"`` (Ray actors on the cluster at ``address``: ``docs/scaling.md``). The runtime and
     learner rank 0 run in this process."""
     address: str | None = None
     """``cluster="ray"``: the Ray cluster to join (``ray start --head`` prints it; ``"auto"``: the cluster this

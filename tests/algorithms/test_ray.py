@@ -153,7 +153,7 @@ def _threads(actor: Any) -> tuple[str | None, int]:
 
 def test_a_ray_instance_streamrl_starts_runs_workers_at_normal_priority() -> None:
     assert local_ray_options(None) == {"_system_config": {"worker_niceness": 0}}
-    assert local_ray_options("auto") == {}  # an existing cluster's settings are its own (README: Scaling out)
+    assert local_ray_options("auto") == {}  # an existing cluster's settings are its own (docs/scaling.md)
 
 
 # ---------------------------------------------------------------------------------------------------------
