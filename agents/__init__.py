@@ -30,6 +30,8 @@ _EXPORTS = {
     "ContextPolicy": "llm_agent",
     "ALFWorldPrompt": "prompts",
     "MathTIRPrompt": "prompts",
+    "LinePrompt": "prompts",
+    "ParsedAction": "prompts",
     "PromptFormat": "prompts",
     "prompt_format": "prompts",
     "LoRAConfig": "lora",
@@ -49,6 +51,7 @@ _EXPORTS = {
     "RandomTextAgent": "random_agent",
     "EnvSpec": "env_specs",
     "ENV_SPECS": "env_specs",
+    "register_env_spec": "env_specs",
 }
 
 __all__ = sorted(_EXPORTS)

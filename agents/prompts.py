@@ -15,6 +15,9 @@ not an episode.
   accepts it; anything the model writes after an opened ```output fence is cut, since that output must come
   from the tool, not the model.
 
+- ``LinePrompt``: for your own env whose action is one line of text: a fixed system prompt, the observation
+  as the user message, the reply's first line as the action.
+
 A format may also define ``action_choices(info) -> list[str]``, the actions a constrained policy picks among
 (``LLMAgent(constrain_actions=True)``); ``ALFWorldPrompt`` does (the admissible commands).
 """
@@ -159,6 +162,34 @@ class MathTIRPrompt:
         if not action:
             return ParsedAction("", False, "empty generation")
         return ParsedAction(action, False, turn.problem or "neither a ```python block nor a \\boxed{} answer")
+
+
+@dataclass(frozen=True)
+class LinePrompt:
+    """An env whose action is one line of text (a command, a word, a number): ``system`` is the system prompt,
+    every observation is a user message, and the reply's first line, stripped, is the action (an empty one is
+    invalid). The env judges the line; write a format of your own when the policy should see more than the
+    observation or the reply needs parsing (``examples/custom_env.py``)."""
+
+    system: str
+    """The system prompt: the task and the form of a reply (e.g. "Reply with one whole number.")."""
+    name: str = "line"
+    stop_strings: tuple[str, ...] = ("\n",)
+    """Stop at the end of the first line: the rest would not be part of the action."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.system, str) or not self.system.strip():
+            raise ValueError(f"system must be a non-empty system prompt, got {self.system!r}")
+
+    def system_prompt(self, first_observation: str, info: Mapping[str, Any]) -> str:
+        return self.system
+
+    def user_message(self, observation: str, info: Mapping[str, Any], turn: int) -> str:
+        return observation.strip()
+
+    def parse_action(self, text: str, info: Mapping[str, Any]) -> ParsedAction:
+        line = text.strip().split("\n", 1)[0].strip()
+        return ParsedAction(line, True) if line else ParsedAction("", False, "empty reply: no action")
 
 
 PROMPT_FORMATS: dict[str, type] = {"alfworld": ALFWorldPrompt, "math_tir": MathTIRPrompt}

@@ -7,7 +7,8 @@
    implements two methods: ``_reset_task(task_id)`` and ``_step_task(action)``.
 2. **Register** it with plain ``gymnasium.register`` (nothing of streamrl).
 3. **Give it a prompt format** (``streamrl.agents.prompts.PromptFormat``: what the policy is told and how its
-   text becomes an action) and register both under an env name:
+   text becomes an action; ``LinePrompt(system)`` is a ready-made one for an env whose action is a line of
+   text) and register both under an env name:
    ``register_env_spec("guess_number", EnvSpec(gym_id=..., prompt=GuessPrompt))``. Everything else in
    ``EnvSpec`` has a default: one task set (the env takes no ``split=``; held-out evaluation plays the training
    tasks), the whole episode in one context, 64 new tokens a turn, no expert (so runs start from the model as

@@ -17,7 +17,7 @@ from streamrl.agents.env_specs import (
 )
 from streamrl.agents.latency import LatencyPrompt
 from streamrl.agents.llm_agent import ContextPolicy
-from streamrl.agents.prompts import ALFWorldPrompt, MathTIRPrompt
+from streamrl.agents.prompts import ALFWorldPrompt, LinePrompt, MathTIRPrompt, ParsedAction
 
 MODULE = """
 import gymnasium as gym
@@ -130,3 +130,14 @@ def test_an_env_without_an_expert_says_so(specs: dict) -> None:
 
     with pytest.raises(ValueError, match=r"no SFT preset and no expert to clone .* init='base'"):
         SFTConfig.for_env("no_expert")
+
+
+def test_line_prompt_takes_the_first_line_of_the_reply() -> None:
+    fmt = LinePrompt("Reply with one word.")
+    assert fmt.system_prompt("Say hi.", {}) == "Reply with one word."
+    assert fmt.user_message("  Say hi.\n", {}, 0) == "Say hi."
+    assert fmt.parse_action("  hi there \nand more", {}) == ParsedAction("hi there", True)
+    assert fmt.parse_action(" \n", {}) == ParsedAction("", False, "empty reply: no action")
+    assert EnvSpec(gym_id="streamrl/Latency-v0", prompt=fmt).prompt() is fmt
+    with pytest.raises(ValueError, match="system must be a non-empty system prompt, got ' '"):
+        LinePrompt(" ")
