@@ -6,9 +6,11 @@ env's scripted expert (an ``Agent`` with ``act`` and ``end_episode`` only).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import QUIET, assert_ledger_closes, run_config, update_rows
 from streamrl.agents.base import SamplingParams, derive_seed
 from streamrl.agents.env_specs import make_env
 from streamrl.agents.hf_backend import HFBackend
@@ -16,6 +18,7 @@ from streamrl.agents.models import resolve_model
 from streamrl.agents.rollout import play_episode
 from streamrl.algorithms.runtime import Job, Rollouts, collect
 from streamrl.algorithms.session import RolloutSession
+from streamrl.algorithms.train import Trainer
 from streamrl.envs.vector import VectorEnvConfig
 
 
@@ -92,3 +95,30 @@ def test_a_scripted_agent_plays_through_the_runtime_as_it_plays_alone() -> None:
         assert [t.observation for t in trajectory.turns] == [t.observation for t in result.turns]
         assert [t.action_valid for t in trajectory.turns] == [t.action_valid for t in result.turns]
         assert trajectory.num_action_tokens == 0
+
+
+def test_a_held_out_evaluation_of_the_training_split_plays_on_workers_of_its_own(tmp_path: Path) -> None:
+    # Evaluating on the training split while training episodes are in flight (max_staleness=1): the evaluation's
+    # session has env workers of its own, so the training episodes in flight are neither disturbed nor lost.
+    config = run_config(
+        tmp_path / "run",
+        eval_split="train",
+        eval_every=1,
+        eval_episodes=4,
+        max_staleness=1,
+        updates=3,
+        tasks=8,
+        num_envs=6,
+        overlap=True,  # generation goes on while the learner updates: episodes are in flight at evaluations
+    )
+    trainer = Trainer(config, progress=False, log=QUIET)
+    assert trainer._session("eval").split == trainer._session("train").split == "train"
+    assert trainer._session("eval") is not trainer._session("train")
+    trainer.run()
+    rows = update_rows(tmp_path / "run")
+    assert [r["update"] for r in rows] == [1, 2, 3]
+    assert any(r["ledger/in_flight"] > 0 for r in rows), (
+        "precondition: training episodes in flight at evaluations"
+    )
+    assert_ledger_closes(rows)
+    assert all(r["eval/episodes"] == 4 for r in rows)
