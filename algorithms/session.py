@@ -3,7 +3,7 @@
 Everything that plays whole episodes apart from the training stream goes through ``RolloutSession``: the
 trainer's offline prompt values and held-out evaluations (``streamrl.algorithms.train``), value pretraining
 (``streamrl.algorithms.value_pretrain``), the evaluation harness (``streamrl.evaluation.harness``) and the
-benchmarks. A session
+benchmarks; the training stream itself runs its own ``Rollouts`` on the training session's vector env. A session
 
 - resolves its split's task ids once (``task_ids``: the tasks the env's spec trains and evaluates on,
   ``agents.env_specs.task_ids_of``; ``first_tasks(n)`` checks a requested count against them), with the
@@ -104,8 +104,7 @@ class RolloutSession:
     """Plays jobs on ``split`` of env ``env`` (module doc).
 
     ``num_envs`` sub-envs, hosted as ``workers`` says (default: one subprocess each), each built with the spec's
-    env kwargs and then ``env_kwargs``. ``venv``: play on this vector env of the same split instead of building
-    one (the trainer's own, while it is idle); the session then does not close it.
+    env kwargs and then ``env_kwargs``.
     """
 
     def __init__(
@@ -116,18 +115,16 @@ class RolloutSession:
         num_envs: int = 16,
         env_kwargs: Mapping[str, Any] | None = None,
         workers: VectorEnvConfig | None = None,
-        venv: StreamingVectorEnv | None = None,
     ) -> None:
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
         self.env = env
         self.spec: EnvSpec = env_spec(env)  # an unknown env: ValueError naming the valid ones
         self.split = split
-        self.num_envs = num_envs if venv is None else venv.num_envs
+        self.num_envs = num_envs
         self.env_kwargs = dict(env_kwargs or {})
         self.workers = workers
-        self._venv = venv
-        self._owns_venv = venv is None
+        self._venv: StreamingVectorEnv | None = None
         self.closed = False
         self.generation_seconds = 0.0
         """Wall time the agents' generation calls took in this session's plays (``Rollouts.generation_seconds``)."""
@@ -241,8 +238,8 @@ class RolloutSession:
             self.generated_tokens += rollouts.generated_tokens
 
     def close(self) -> None:
-        """Stop the env workers this session started (a vector env handed in stays open)."""
-        if self._venv is not None and self._owns_venv:
+        """Stop the session's env workers."""
+        if self._venv is not None:
             self._venv.close()
         self._venv = None
         self.closed = True
