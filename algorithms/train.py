@@ -17,12 +17,16 @@ a backend in another process (vLLM) generation goes on while the learner updates
 
 The trainer is the loop; each job beside it is an object with one job, built in ``_build``:
 
-    TrainConfig.validate   (``train_config``)  refuses a config that cannot run, before any work
-    BatchRule, EpisodeBuffer (``batching``)    the algorithm's batch rule: what is trained, drained, waited for
-    Publisher              (``publish``)       save -> load -> probe check of every published version
-    Checkpoints            (``checkpoint``)    a complete checkpoint whenever the process dies; resume
-    TrainingLog            (``run_log``)       metrics.jsonl, TensorBoard, the progress bar
-    RunDir                 (``run_dir``)       where each file of the run lies
+    TrainConfig.validate    (``train_config``)  refuses a config that cannot run, before any work
+    make_learner, make_backend, env_workers
+                            (``placement``)     where the learner, the rollout engines and the env workers run
+    BatchStrategy, EpisodeBuffer (``batching``) the algorithm's batch rule: what is trained, drained, waited for
+    Ledger                  (``ledger``)        every dispatched trajectory and generated token accounted for
+    Publisher               (``publish``)       save -> load -> probe check of every published version
+    RolloutSession          (``session``)       offline values and held-out evaluations, on kept env workers
+    Checkpoints             (``checkpoint``)    a complete checkpoint whenever the process dies; resume
+    TrainingLog             (``run_log``)       metrics.jsonl, TensorBoard, the progress bar
+    RunDir                  (``run_dir``)       where each file of the run lies
 
 ``resume=True`` continues a killed run from its last complete checkpoint: every ticket that was in flight is
 played again, finished-but-untrained episodes are kept.
