@@ -432,9 +432,17 @@ def play_split(
     if session is None:
         with eval_session(env, split, config, env_kwargs) as own:
             return play_split(
-                loaded, env, split, config, env_kwargs, max_new_tokens, progress,
-                constrain_actions, avoid_repeats, own,
-            )  # fmt: skip
+                loaded,
+                env,
+                split,
+                config,
+                env_kwargs,
+                max_new_tokens,
+                progress,
+                constrain_actions=constrain_actions,
+                avoid_repeats=avoid_repeats,
+                session=own,
+            )
     task_ids = session.task_ids[: config.tasks]
     if not task_ids:
         raise ValueError(f"split {split!r} of {env} has no tasks to evaluate")
