@@ -70,8 +70,8 @@ from streamrl.algorithms.train_config import (
     resolve_algorithm,
     sft_recipe,
 )
-from streamrl.evaluation.stats import clustered_t_interval, t_interval
 from streamrl.utils.cache import atomic_write_text
+from streamrl.utils.stats import clustered_t_interval, t_interval
 
 if TYPE_CHECKING:
     from streamrl.agents.llm_agent import LLMAgent

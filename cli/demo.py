@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 from streamrl.algorithms.run_dir import RunDir
 from streamrl.evaluation.compare import held_out_evaluations, paired_gain, paired_gain_by_episode
-from streamrl.evaluation.stats import clustered_wilson_interval, wilson_interval
+from streamrl.utils.stats import clustered_wilson_interval, wilson_interval
 
 DEMO_COLD_START: Mapping[str, Any] = {"epochs": 8, "select_best_of": 100, "restarts": 0, "restart_below": 0.0}
 """The demo's SFT recipe, as overrides of Math-TIR's preset: 8 epochs, the best epoch on 100 generated validation

@@ -41,7 +41,7 @@ from streamrl.evaluation.curves import (
     summarize_curves,
     summary_table,
 )
-from streamrl.evaluation.stats import (
+from streamrl.utils.stats import (
     ClusteredMeanInterval,
     MeanInterval,
     clustered_t_interval,

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from streamrl.algorithms.run_dir import METRICS_FILE, RunDir
-from streamrl.evaluation.stats import sample_sd
+from streamrl.utils.stats import sample_sd
 
 HELD_OUT = "eval/success"
 """The held-out evaluation's success column (the default curve)."""

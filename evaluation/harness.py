@@ -51,7 +51,7 @@ from streamrl.agents.trajectory import Trajectory
 from streamrl.algorithms.run_dir import RunDir
 from streamrl.algorithms.runtime import Finished, Job
 from streamrl.algorithms.session import RolloutFields, RolloutSession
-from streamrl.evaluation.stats import (
+from streamrl.utils.stats import (
     ClusteredMeanInterval,
     MeanInterval,
     clustered_t_interval,

@@ -59,7 +59,7 @@ from streamrl.algorithms.learner import (
 from streamrl.algorithms.runtime import Job, Rollouts, collect
 from streamrl.algorithms.tracker import EventTracker, Ticket
 from streamrl.algorithms.train import ConfigError, PublishError, TrainConfig, Trainer
-from streamrl.evaluation.stats import clustered_t_interval, t_interval
+from streamrl.utils.stats import clustered_t_interval, t_interval
 
 # ---------------------------------------------------------------------------------------------------------
 # Fixtures and helpers

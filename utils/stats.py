@@ -8,7 +8,7 @@ that counts episodes as independent is too narrow whenever outcomes correlate wi
 ``t_interval`` and ``wilson_interval`` are kept beside them.
 
 Plain Python (no SciPy): each function is a closed form or a short series, checked in
-``tests/evaluation/test_evaluation_stats.py`` against hand-computed values and published tables. Formulas and their
+``tests/utils/test_stats.py`` against hand-computed values and published tables. Formulas and their
 meaning: ``docs/evaluation.md``.
 """
 

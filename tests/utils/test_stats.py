@@ -32,7 +32,7 @@ from streamrl.evaluation.harness import (
     paired_difference_by_task,
     summarize,
 )
-from streamrl.evaluation.stats import (
+from streamrl.utils.stats import (
     clustered_t_interval,
     clustered_wilson_interval,
     pass_at_k,
