@@ -23,7 +23,7 @@ The trainer is the loop; each job beside it is an object with one job, built in 
     BatchStrategy, EpisodeBuffer (``batching``) the algorithm's batch rule: what is trained, drained, waited for
     Ledger                  (``ledger``)        every dispatched trajectory and generated token accounted for
     Publisher               (``publish``)       save -> load -> probe check of every published version
-    RolloutSession          (``session``)       offline values and held-out evaluations, on kept env workers
+    SideRollouts            (``side_rollouts``) offline values and held-out evaluations, on kept rollout sessions
     Checkpoints             (``checkpoint``)    a complete checkpoint whenever the process dies; resume
     TrainingLog             (``run_log``)       metrics.jsonl, TensorBoard, the progress bar
     RunDir                  (``run_dir``)       where each file of the run lies
@@ -35,19 +35,15 @@ played again, finished-but-untrained episodes are kept.
 from __future__ import annotations
 
 import functools
-import json
-import math
-import random
-import re
 import signal
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import torch
 from streamrl.agents.base import GenerationBackend, SamplingParams, derive_seed
@@ -55,12 +51,12 @@ from streamrl.algorithms.base import Algorithm, Episode, SetupContext
 from streamrl.algorithms.batching import EpisodeBuffer
 from streamrl.algorithms.checkpoint import Checkpoints
 from streamrl.algorithms.ledger import Ledger
-from streamrl.algorithms.placement import env_workers, make_backend, make_learner
+from streamrl.algorithms.placement import make_backend, make_learner
 from streamrl.algorithms.publish import Publisher, PublishError
 from streamrl.algorithms.run_dir import RunDir
 from streamrl.algorithms.run_log import TrainingLog
-from streamrl.algorithms.runtime import Finished, Job, Rollouts
-from streamrl.algorithms.session import RolloutSession
+from streamrl.algorithms.runtime import Job, Rollouts
+from streamrl.algorithms.side_rollouts import SideRollouts
 from streamrl.algorithms.tracker import EventTracker, Ticket
 from streamrl.algorithms.train_config import (
     PLACEMENT,
@@ -70,12 +66,6 @@ from streamrl.algorithms.train_config import (
     resolve_algorithm,
     sft_recipe,
 )
-from streamrl.utils.cache import atomic_write_text
-from streamrl.utils.stats import clustered_t_interval, t_interval
-
-if TYPE_CHECKING:
-    from streamrl.agents.llm_agent import LLMAgent
-    from streamrl.envs.vector import VectorEnvConfig
 
 __all__ = [
     "PLACEMENT",
@@ -183,9 +173,18 @@ class Trainer:
             tokenizer=self.tokenizer,
         )
 
-        self._sessions: dict[str, RolloutSession] = {}  # "train", "eval" (_session)
+        self.side = SideRollouts(
+            c,
+            self.spec,
+            backend=self.backend,
+            sampling=self.sampling,
+            tokenizer=self.tokenizer,
+            files=self.files,
+            progress=self.show_progress,
+            log=self.log,
+        )
         try:
-            task_ids = self._session("train").task_ids
+            task_ids = self.side.session("train").task_ids
         except TypeError as exc:
             raise ConfigError(f"env_kwargs={dict(c.env_kwargs)} do not fit the {c.env} env: {exc}") from exc
         if c.tasks is not None:
@@ -201,14 +200,13 @@ class Trainer:
             )
         self.task_ids = task_ids
         self.tracker = EventTracker(task_ids, self.algorithm.tracker_config(derive_seed(c.seed, "tracker")))
-        self.venv = self._session("train").venv
+        self.venv = self.side.session("train").venv
         lockstep = c.max_staleness == 0
         self.rollouts = Rollouts(
             self.venv, self.agent, seed=derive_seed(c.seed, "rollouts"), lockstep=lockstep
         )
         self.overlap = c.overlap if c.overlap is not None else (c.backend == "vllm" or c.cluster == "ray")
-        self.eval_split = c.eval_split or self.spec.eval_splits[0]
-        self.eval_tasks = self._eval_tasks()
+        self.eval_tasks = self.side.eval_tasks
         # state
         self.updates = 0
         self.ledger = Ledger()
@@ -227,20 +225,6 @@ class Trainer:
     def _make_backend(self) -> Any:
         """The rollout backend of ``config`` (a subclass may serve another)."""
         return make_backend(self.config, self.model_dir, self.tokenizer)
-
-    def _workers(self) -> VectorEnvConfig:
-        """How the sub-envs are hosted (``VectorEnvConfig``): local worker processes, or Ray actors."""
-        return env_workers(self.config)
-
-    def _eval_tasks(self) -> list[str]:
-        """The fixed held-out episodes: every task of the split equally often (each ``n // tasks`` times), the
-        remainder drawn uniformly without replacement; the same list for every run with the same seed."""
-        if not self.config.eval_episodes or not self.config.eval_every:
-            return []
-        ids = self._session("eval").task_ids
-        n = self.config.eval_episodes
-        rng = random.Random(derive_seed(self.config.seed, "eval-tasks"))
-        return ids * (n // len(ids)) + rng.sample(ids, n % len(ids))
 
     def _probe_sequence(self) -> list[int]:
         """A fixed token sequence on which the served and the learner's log-probs must agree after publication."""
@@ -263,9 +247,10 @@ class Trainer:
         )
         try:
             if not self._resumed:
-                self._offline_init()
+                if c.offline_rollouts and self.tracker.config.mode != "bookkeeping":
+                    self.tracker.init_offline(self.side.offline_values(self.model_dir, self.task_ids))
                 if self.eval_tasks:
-                    log.write({"update": 0, **self._evaluate()})
+                    log.write({"update": 0, **self.side.evaluate(self.updates, self.tracker.version)})
             pool = ThreadPoolExecutor(1) if self.overlap else None
             while self.updates < c.updates and not self._stop.is_set():
                 batch = self._next_batch()
@@ -277,7 +262,7 @@ class Trainer:
                     and self.eval_tasks
                     and (self.updates % c.eval_every == 0 or self.updates == c.updates)
                 ):
-                    row.update(self._evaluate())
+                    row.update(self.side.evaluate(self.updates, self.tracker.version))
                 log.write(row)
                 if c.checkpoint_every and self.updates % c.checkpoint_every == 0:
                     self._save_checkpoint()
@@ -292,8 +277,9 @@ class Trainer:
     def close(self) -> None:
         """Release the env workers, the backend, the learner (and its ranks) and a Ray connection this trainer
         made; also what a build that failed part-way had started."""
-        for session in getattr(self, "_sessions", {}).values():  # their env workers (the training ones too)
-            session.close()
+        side = getattr(self, "side", None)
+        if side is not None:  # the sessions' env workers (the training ones too)
+            side.close()
         for name in ("venv", "backend", "learner"):
             part = getattr(self, name, None)
             if part is not None:
@@ -487,128 +473,6 @@ class Trainer:
             in_flight_tokens=self.rollouts.running_tokens(),
         )
 
-    # -- offline values and evaluation ------------------------------------------------------------------------
-    def _session(self, purpose: Literal["train", "eval"]) -> RolloutSession:
-        """The rollout session of the training split or of the held-out split, kept for the run and closed with
-        the trainer. The training one holds the training vector env (offline values play on it before training
-        starts); the held-out one starts its own env workers at the first evaluation (on the training split too:
-        training episodes are in flight then), and every later evaluation reuses them."""
-        if purpose not in self._sessions:
-            c = self.config
-            split = self.spec.train_split if purpose == "train" else self.eval_split
-            self._sessions[purpose] = RolloutSession(
-                c.env, split, num_envs=c.num_envs, env_kwargs=c.env_kwargs, workers=self._workers()
-            )
-        return self._sessions[purpose]
-
-    def _side_agent(self, temperature: float, seed: int) -> LLMAgent:
-        """The policy being trained, sampling at ``temperature`` with run seed ``seed``, apart from training
-        (offline values, evaluation): the rollouts' agent with its action constraint."""
-        return self.spec.llm_agent(
-            self.backend,
-            replace(self.sampling, temperature=temperature, seed=seed),
-            constrain_actions=self.config.constrain_actions,
-            avoid_repeats=self.config.avoid_repeats,
-            tokenizer=self.tokenizer,
-        )
-
-    def _play(
-        self, purpose: Literal["train", "eval"], jobs: Sequence[Job], temperature: float, seed: int, desc: str
-    ) -> list[Finished]:
-        """Play ``jobs`` on the ``purpose`` session with the current policy (lock-step, env and sampling seeds
-        from ``seed``), with a progress bar of its episodes (under the run's) when the run shows progress."""
-        session, agent = self._session(purpose), self._side_agent(temperature, seed)
-        if not self.show_progress:
-            return session.play(agent, jobs, seed=seed)
-        from tqdm.auto import tqdm
-
-        with tqdm(total=len(jobs), desc=desc, unit="episode", position=1, leave=False) as bar:
-            return session.play(agent, jobs, seed=seed, progress=lambda _: bar.update(1))
-
-    def _offline_init(self) -> None:
-        n0 = self.config.offline_rollouts
-        if n0 == 0 or self.tracker.config.mode == "bookkeeping":
-            return
-        cache = self._offline_cache_path()
-        if cache.is_file():
-            outcomes = json.loads(cache.read_text())
-            self.log(f"offline values: {cache} (cached)")
-        else:
-            # seeded apart from the run seed: the values are a function of the cache key, shared by all seeds
-            jobs = [Job(t, i * n0 + k) for i, t in enumerate(self.task_ids) for k in range(n0)]
-            seed = derive_seed("offline")
-            done = self._play("train", jobs, self.config.temperature, seed, "offline values")
-            outcomes = {t: [] for t in self.task_ids}
-            for item in done:
-                outcomes[item.job.task_id].append(float(item.trajectory.reward))
-            atomic_write_text(cache, json.dumps(outcomes))  # the cache is shared by concurrent runs
-            self.log(f"offline values: {n0} rollouts x {len(self.task_ids)} tasks -> {cache}")
-        self.tracker.init_offline({t: outcomes[t] for t in self.task_ids})
-
-    def _offline_cache_path(self) -> Path:
-        import hashlib
-
-        from streamrl.agents.models import weights_fingerprint
-        from streamrl.utils.cache import cache_root
-
-        key = json.dumps(
-            [
-                weights_fingerprint(self.model_dir),
-                self.config.env,
-                self.spec.train_split,
-                self.task_ids,
-                self.config.offline_rollouts,
-                self.config.temperature,
-                self.sampling.max_new_tokens,
-                sorted(self.config.env_kwargs.items()),
-            ],
-        )
-        name = hashlib.sha256(key.encode()).hexdigest()[:20]
-        # an env named by its module ("examples/custom_env.py:guess_number") is one file name, not a folder
-        env = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.config.env)
-        return cache_root() / "offline_values" / f"{self.model_dir.name}-{env}-{name}.json"
-
-    def _evaluate(self) -> dict[str, float]:
-        """Success on the fixed held-out tasks, with the policy of the current version."""
-        started = time.perf_counter()
-        # the same episode seeds at every version and in every run with this seed: paired comparisons
-        # on the evaluation split's kept session: its env workers started at the first evaluation
-        jobs = [Job(t, i) for i, t in enumerate(self.eval_tasks)]
-        seed, desc = derive_seed(self.config.seed, "eval"), f"held-out eval (update {self.updates})"
-        done = self._play("eval", jobs, self.config.eval_temperature, seed, desc)
-        records = [
-            {
-                "key": item.job.key,
-                "task_id": item.job.task_id,
-                "won": bool(item.trajectory.won),
-                "reward": float(item.trajectory.reward),
-                "steps": len(item.trajectory.turns),
-                "action_tokens": item.trajectory.num_action_tokens,
-            }
-            for item in sorted(done, key=lambda item: item.job.key)
-        ]
-        self.files.write_eval(self.updates, records)
-        wins = [float(r["won"]) for r in records]
-        p = sum(wins) / len(wins)
-        row = {
-            "eval/success": p,
-            "eval/stderr": math.sqrt(p * (1 - p) / len(wins)),
-            "eval/reward": sum(r["reward"] for r in records) / len(records),
-            "eval/episodes": float(len(records)),
-            "eval/tasks": float(len({r["task_id"] for r in records})),
-            "eval/version": float(self.tracker.version),
-            "eval/seconds": time.perf_counter() - started,
-        }
-        start = self.files.read_eval(0) if self.updates else None
-        if start is not None:
-            # paired with the start's evaluation: the same tasks and episode seeds, so the per-episode
-            # differences cancel most of the sampling noise
-            before = {r["key"]: r for r in start}
-            if before.keys() == {r["key"] for r in records}:
-                diffs = [float(r["won"]) - float(before[r["key"]]["won"]) for r in records]
-                row.update(_paired_delta(diffs, [r["task_id"] for r in records]))
-        return row
-
     # -- checkpoints -------------------------------------------------------------------------------------------
     def _install_signals(self) -> dict[int, Any]:
         """SIGINT/SIGTERM stop the run after the current step (and checkpoint); returns the handlers replaced."""
@@ -710,18 +574,3 @@ def train(
     ``Trainer``)."""
     trainer = Trainer(config, algorithm=algorithm, backend=backend, resume=resume, progress=progress)
     return trainer.run()
-
-
-def _paired_delta(diffs: Sequence[float], tasks: Sequence[str]) -> dict[str, float]:
-    """``eval/delta``, the mean paired difference to the start's evaluation (``tasks[i]`` the task of
-    ``diffs[i]``), and the half-widths of its 95 % intervals: ``eval/delta_ci95`` clustered by task (the unit: a
-    task's repeated episodes are not independent; ``nan`` with a single task) and ``eval/delta_ci95_episode``, the
-    paired t interval over episodes as if independent (``nan`` with a single episode)."""
-    mean = sum(diffs) / len(diffs)
-    clustered = clustered_t_interval(diffs, tasks) if len(set(tasks)) > 1 else None
-    episode = t_interval(diffs) if len(diffs) > 1 else None
-    return {
-        "eval/delta": mean,
-        "eval/delta_ci95": math.nan if clustered is None else clustered.half_width,
-        "eval/delta_ci95_episode": math.nan if episode is None else episode.half_width,
-    }

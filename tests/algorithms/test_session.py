@@ -112,8 +112,8 @@ def test_a_held_out_evaluation_of_the_training_split_plays_on_workers_of_its_own
         overlap=True,  # generation goes on while the learner updates: episodes are in flight at evaluations
     )
     trainer = Trainer(config, progress=False, log=QUIET)
-    assert trainer._session("eval").split == trainer._session("train").split == "train"
-    assert trainer._session("eval") is not trainer._session("train")
+    assert trainer.side.session("eval").split == trainer.side.session("train").split == "train"
+    assert trainer.side.session("eval") is not trainer.side.session("train")
     trainer.run()
     rows = update_rows(tmp_path / "run")
     assert [r["update"] for r in rows] == [1, 2, 3]

@@ -198,7 +198,7 @@ def test_each_algorithm_trains_end_to_end(
     assert [r["version"] for r in rows] == [u // publish_every for u in range(1, config.updates + 1)]
     assert sum(trainer.tracker.task_stats(t).recorded for t in trainer.task_ids) >= rows[-1]["ledger/trained"]
     # rollouts and the side rollouts (offline values, evaluation) play the configured policy
-    for agent in (trainer.agent, trainer._side_agent(1.0, 0)):
+    for agent in (trainer.agent, trainer.side.agent(1.0, 0)):
         assert (agent.constrain_actions, agent.avoid_repeats) == (
             config.constrain_actions,
             config.avoid_repeats,
