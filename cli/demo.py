@@ -37,11 +37,11 @@ from streamrl.algorithms.run_dir import RunDir
 from streamrl.evaluation.compare import held_out_evaluations, paired_gain, paired_gain_by_episode
 from streamrl.utils.stats import clustered_wilson_interval, wilson_interval
 
-DEMO_COLD_START: Mapping[str, Any] = {"epochs": 8, "select_best_of": 100, "restarts": 0, "restart_below": 0.0}
-"""The demo's SFT recipe, as overrides of Math-TIR's preset: 8 epochs, the best epoch on 100 generated validation
-problems, no restarts (its seed-0 checkpoint, built on the reproducible kernel path, is shipped). A start weaker
-than the preset's, so that the demo's few minutes of SPO++ have room to show a gain beyond the paired interval;
-from the preset's stronger start they show none (docs/training.md, "The demo"; docs/sft.md, the 8-epoch recipe)."""
+DEMO_COLD_START: Mapping[str, Any] = {"epochs": 3, "select_best_of": 0, "restarts": 0, "restart_below": 0.0}
+"""The demo's SFT recipe, as overrides of Math-TIR's preset: 3 epochs, no model selection (its seed-0 checkpoint
+is shipped). A start weaker than the preset's, so that the demo's few minutes of SPO++ have room to show a gain
+beyond the paired interval; from the preset's stronger start they show none (docs/training.md, "The demo";
+docs/sft.md, the 3-epoch recipe)."""
 
 
 @dataclass(frozen=True)
