@@ -31,7 +31,8 @@ tokens and tool calls, the invalid-action rate, and the same per breakdown group
 vs unseen), ``task_type`` (ALFWorld's six task types, from the env's info), ``source`` and ``family`` (Math-TIR's
 task records); each agent's per-episode records; and, with a second agent, the paired differences with their
 intervals clustered by task, the episode-level ones beside them.
-``format_report`` prints it as a table. Formulas: ``docs/evaluation.md``.
+The summaries and paired differences are ``streamrl.evaluation.summary``; ``format_report``
+(``streamrl.evaluation.report``) prints the report as tables. Formulas: ``docs/evaluation.md``.
 """
 
 from __future__ import annotations
@@ -39,8 +40,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -51,15 +51,42 @@ from streamrl.agents.trajectory import Trajectory
 from streamrl.algorithms.run_dir import RunDir
 from streamrl.algorithms.runtime import Finished, Job
 from streamrl.algorithms.session import RolloutFields, RolloutSession
-from streamrl.utils.stats import (
-    ClusteredMeanInterval,
-    MeanInterval,
-    clustered_t_interval,
-    clustered_wilson_interval,
-    pass_at_k,
-    t_interval,
-    wilson_interval,
+from streamrl.evaluation.report import format_report
+from streamrl.evaluation.summary import (
+    EpisodeRecord,
+    Metric,
+    breakdown,
+    paired_difference,
+    paired_difference_by_task,
+    paired_differences,
+    paired_entry,
+    summarize,
 )
+
+__all__ = [
+    "AGENT_FORMS",
+    "DEFAULT_MODEL",
+    "AgentSpec",
+    "EpisodeRecord",
+    "EvalConfig",
+    "LoadedAgent",
+    "Metric",
+    "breakdown",
+    "episode_key",
+    "eval_session",
+    "evaluate",
+    "format_report",
+    "load_agent",
+    "paired_difference",
+    "paired_difference_by_task",
+    "paired_differences",
+    "play_split",
+    "policy_version",
+    "read_run_config",
+    "run_evaluation",
+    "run_versions",
+    "summarize",
+]
 
 # ----------------------------------------------------------------------------------------------------------
 # The lock-step success rate SFT reports (kept for ``streamrl sft``)
@@ -346,42 +373,6 @@ class EvalConfig(RolloutFields):
         return 1 if temperature == 0 else self.samples
 
 
-@dataclass(frozen=True)
-class EpisodeRecord:
-    """One played episode: its name (split, task, seed, sample), mode and outcome, kept in the report so that
-    agents can be compared episode by episode later (``paired_difference``). Not the episode's ``Trajectory``:
-    a report keeps this small JSON summary of every episode (no tokens), named so that two reports pair up."""
-
-    split: str
-    task_id: str
-    seed: int
-    sample: int
-    temperature: float
-    """The mode it was played in (a scripted agent ignores the temperature but plays the mode's episodes)."""
-    success: bool
-    reward: float
-    steps: int
-    action_tokens: int
-    tool_calls: int
-    invalid_actions: int
-    groups: dict[str, str] = field(default_factory=dict)
-    """Breakdown attributes: ``split`` and whichever of ``task_type``, ``source``, ``family`` the env has."""
-    error: str | None = None
-    """Why an env worker failure ended the episode (it counts as a failure)."""
-
-    @property
-    def episode(self) -> tuple[str, str, int, int]:
-        """The episode's name: (split, task id, seed, sample)."""
-        return (self.split, self.task_id, self.seed, self.sample)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> EpisodeRecord:
-        return cls(**{**data, "groups": dict(data.get("groups") or {})})
-
-
 def episode_key(split: str, task_id: str, seed: int, sample: int) -> int:
     """The runtime key of an episode: its env and sampling seeds derive from it, so from its name only."""
     return derive_seed(seed, "eval", split, task_id, sample)
@@ -500,136 +491,6 @@ def eval_session(env: str, split: str, config: EvalConfig, env_kwargs: Mapping[s
     widest = max(config.samples_at(t) for t in config.temperatures)
     session.reserve(max(1, len(_plan(config, session.task_ids[: config.tasks], widest))))
     return session
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Summaries
-
-
-def summarize(records: Sequence[EpisodeRecord], pass_k: Iterable[int] = (1,)) -> dict[str, Any]:
-    """The metrics of ``records`` (one mode's): ``episodes``, ``successes``, ``success_rate`` with its 95 %
-    interval clustered by task (``success_ci95_task``: ``clustered_wilson_interval`` over (split, task); ``None``
-    with a single task) and the episode-level Wilson interval (``success_ci95``), ``mean_reward``, ``pass_at_k`` (unbiased, per task averaged over tasks;
-    each k up to the fewest episodes a task has), ``tasks``, ``mean_steps``, ``mean_action_tokens``,
-    ``mean_tool_calls``, ``invalid_action_rate`` (invalid actions per step) and ``errors``."""
-    n = len(records)
-    if n == 0:
-        raise ValueError("no episodes to summarize")
-    wins = sum(r.success for r in records)
-    per_task: dict[tuple[str, str], list[bool]] = defaultdict(list)
-    for r in records:
-        per_task[_task(r)].append(r.success)
-    fewest = min(len(v) for v in per_task.values())
-    steps = sum(r.steps for r in records)
-    return {
-        "episodes": n,
-        "successes": wins,
-        "success_rate": wins / n,
-        "success_ci95": list(wilson_interval(wins, n)),
-        "success_ci95_task": (
-            list(clustered_wilson_interval([r.success for r in records], [_task(r) for r in records]))
-            if len(per_task) > 1
-            else None
-        ),
-        "mean_reward": sum(r.reward for r in records) / n,
-        "tasks": len(per_task),
-        "pass_at_k": {
-            str(k): sum(pass_at_k(len(v), sum(v), k) for v in per_task.values()) / len(per_task)
-            for k in sorted(set(pass_k))
-            if k <= fewest
-        },
-        "mean_steps": steps / n,
-        "mean_action_tokens": sum(r.action_tokens for r in records) / n,
-        "mean_tool_calls": sum(r.tool_calls for r in records) / n,
-        "invalid_action_rate": sum(r.invalid_actions for r in records) / max(1, steps),
-        "errors": sum(r.error is not None for r in records),
-    }
-
-
-def _task(record: EpisodeRecord) -> tuple[str, str]:
-    """The task an episode samples, the unit of the clustered intervals: (split, task id)."""
-    return (record.split, record.task_id)
-
-
-def breakdown(records: Sequence[EpisodeRecord], pass_k: Iterable[int] = (1,)) -> dict[str, dict[str, Any]]:
-    """``summarize`` per value of each breakdown attribute (``EpisodeRecord.groups``); an episode without an
-    attribute others have counts under ``"unknown"``, so each attribute's groups hold every episode."""
-    keys = sorted({k for r in records for k in r.groups})
-    out: dict[str, dict[str, Any]] = {}
-    for key in keys:
-        groups: dict[str, list[EpisodeRecord]] = defaultdict(list)
-        for r in records:
-            groups[r.groups.get(key, "unknown")].append(r)
-        out[key] = {value: summarize(members, pass_k) for value, members in sorted(groups.items())}
-    return out
-
-
-Metric = Literal["success", "reward", "steps", "action_tokens"]
-
-
-def paired_differences(
-    a_records: Sequence[EpisodeRecord | Mapping[str, Any]],
-    b_records: Sequence[EpisodeRecord | Mapping[str, Any]],
-    metric: Metric = "success",
-) -> tuple[list[float], list[tuple[str, str]]]:
-    """The per-episode differences a − b of ``metric`` over the same episodes (in episode order), and each
-    episode's task (split, task id).
-
-    Each side holds one mode's records (records from a report's JSON work as they are). The two sides must
-    name the same episodes (split, task, seed, sample), each once: otherwise ``ValueError`` saying which
-    differ."""
-    sides = []
-    for label, records in (("a", a_records), ("b", b_records)):
-        by_episode: dict[tuple[str, str, int, int], EpisodeRecord] = {}
-        for item in records:
-            record = item if isinstance(item, EpisodeRecord) else EpisodeRecord.from_dict(item)
-            if record.episode in by_episode:
-                raise ValueError(
-                    f"side {label} has episode {record.episode} twice (split, task, seed, sample): pass one "
-                    "temperature's records per side"
-                )
-            by_episode[record.episode] = record
-        sides.append(by_episode)
-    a, b = sides
-    if set(a) != set(b):
-        only_a, only_b = sorted(set(a) - set(b)), sorted(set(b) - set(a))
-        raise ValueError(
-            f"paired comparison needs the same episodes on both sides: {len(only_a)} only in a (e.g. "
-            f"{only_a[:3]}), {len(only_b)} only in b (e.g. {only_b[:3]}); evaluate both with the same splits, "
-            "tasks, seeds and samples"
-        )
-    if metric not in ("success", "reward", "steps", "action_tokens"):
-        raise ValueError(f"unknown metric {metric!r}; valid: success, reward, steps, action_tokens")
-    episodes = sorted(a)
-    diffs = [float(getattr(a[e], metric)) - float(getattr(b[e], metric)) for e in episodes]
-    return diffs, [_task(a[e]) for e in episodes]
-
-
-def paired_difference(
-    a_records: Sequence[EpisodeRecord | Mapping[str, Any]],
-    b_records: Sequence[EpisodeRecord | Mapping[str, Any]],
-    metric: Metric = "success",
-    confidence: float = 0.95,
-) -> MeanInterval:
-    """The mean paired difference a − b of ``metric`` over the same episodes and its episode-level interval: a
-    paired t interval on the per-episode differences (mean ± t_{0.975, n−1} s/√n), which treats episodes as
-    independent. ``paired_difference_by_task`` is the honest one when tasks repeat (``paired_differences``
-    says what the sides must hold)."""
-    diffs, _ = paired_differences(a_records, b_records, metric)
-    return t_interval(diffs, confidence)
-
-
-def paired_difference_by_task(
-    a_records: Sequence[EpisodeRecord | Mapping[str, Any]],
-    b_records: Sequence[EpisodeRecord | Mapping[str, Any]],
-    metric: Metric = "success",
-    confidence: float = 0.95,
-) -> ClusteredMeanInterval:
-    """The mean paired difference a − b of ``metric`` over the same episodes with its interval clustered by task
-    (``clustered_t_interval``: with every task played equally often, the t interval over the per-task mean
-    differences on tasks − 1 degrees of freedom). Needs episodes of at least two tasks."""
-    diffs, tasks = paired_differences(a_records, b_records, metric)
-    return clustered_t_interval(diffs, tasks, confidence)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -798,33 +659,12 @@ def run_evaluation(config: EvalConfig, log: Callable[[str], None] | None = None)
                 if len(a) < 2:
                     continue
                 report["paired"].append({"temperature": temperature, "metric": metric, "a": "A", "b": "B"})
-                report["paired"][-1].update(_paired_entry(a, b, metric))
+                report["paired"][-1].update(paired_entry(a, b, metric))
     report["seconds"] = round(time.perf_counter() - started, 1)
     if config.out is not None:
         config.out.parent.mkdir(parents=True, exist_ok=True)
         config.out.write_text(json.dumps(report, indent=1))
     return report
-
-
-def _paired_entry(a: Sequence[EpisodeRecord], b: Sequence[EpisodeRecord], metric: Metric) -> dict[str, Any]:
-    """A report's paired difference A − B of ``metric``: the interval clustered by task (``ci_low``,
-    ``ci_high``, ``tasks``, ``se``, ``df``; all ``None`` with a single task) and the episode-level paired t
-    interval beside it (``episode``)."""
-    episode = paired_difference(a, b, metric)
-    tasks = {_task(r) for r in a}
-    clustered: dict[str, Any] = (
-        paired_difference_by_task(a, b, metric).to_dict()
-        if len(tasks) > 1
-        else {"ci_low": None, "ci_high": None, "se": None, "df": None, "method": "one task: no interval"}
-    )
-    return {
-        **clustered,
-        "mean": episode.mean,
-        "n": episode.n,
-        "tasks": len(tasks),
-        "confidence": episode.confidence,
-        "episode": {**episode.to_dict(), "method": "paired t over episodes"},
-    }
 
 
 def _progress_bar(config: EvalConfig, label: str, env: str) -> Any:
@@ -833,87 +673,3 @@ def _progress_bar(config: EvalConfig, label: str, env: str) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(desc=f"eval {label} {env}", unit="episode", file=sys.stderr)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The table
-
-
-def _mode(temperature: float) -> str:
-    return "greedy" if temperature == 0 else f"T={temperature:g}"
-
-
-def _interval(bounds: Sequence[float] | None, sign: str = "") -> str:
-    return "–" if bounds is None else f"[{bounds[0]:{sign}.3f}, {bounds[1]:{sign}.3f}]"
-
-
-def _row(name: str, s: Mapping[str, Any], ks: Sequence[str]) -> list[str]:
-    return [
-        name,
-        str(s["episodes"]),
-        str(s["tasks"]),
-        f"{s['success_rate']:.3f}",
-        _interval(s.get("success_ci95_task")),
-        _interval(s["success_ci95"]),
-        f"{s['mean_reward']:.3f}",
-        *[f"{s['pass_at_k'][k]:.3f}" if k in s["pass_at_k"] else "–" for k in ks],
-        f"{s['mean_steps']:.2f}",
-        f"{s['mean_action_tokens']:.1f}",
-        f"{s['mean_tool_calls']:.2f}",
-        f"{s['invalid_action_rate']:.3f}",
-    ]
-
-
-def _table(rows: Sequence[Sequence[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-
-
-def format_report(report: Mapping[str, Any]) -> str:
-    """``run_evaluation``'s report as readable tables: per agent one row per mode and per breakdown group,
-    then the paired differences."""
-    lines = [
-        f"env {report['env']}, splits {report['splits']} (tasks: {report['tasks']}), "
-        f"seeds {report['config']['seeds']}, episodes per task and seed when sampling: {report['config']['samples']}"
-    ]
-    for agent in report["agents"]:
-        ks = sorted({k for res in agent["results"] for k in res["summary"]["pass_at_k"]}, key=int)
-        header = [
-            "",
-            "episodes",
-            "tasks",
-            "success",
-            "95% CI (tasks)",
-            "95% CI (episodes)",
-            "reward",
-            *[f"pass@{k}" for k in ks],
-            "steps",
-            "tokens",
-            "tools",
-            "invalid",
-        ]
-        lines += ["", f"{agent['label']}: {agent['agent']} -- {agent['description']}"]
-        rows = [header]
-        for res in agent["results"]:
-            mode = _mode(res["temperature"])
-            rows.append(_row(mode, res["summary"], ks))
-            for key, groups in res["breakdown"].items():
-                if len(groups) < 2:
-                    continue
-                rows += [_row(f"  {key}={value}", s, ks) for value, s in groups.items()]
-        lines += _table(rows)
-    if report["paired"]:
-        lines += [
-            "",
-            "paired differences A − B on the same episodes, 95 % intervals clustered by task (the unit) and, "
-            "beside them, over episodes as if independent:",
-        ]
-        for p in report["paired"]:
-            clustered = None if p["ci_low"] is None else (p["ci_low"], p["ci_high"])
-            episode = p["episode"]
-            lines.append(
-                f"  {_mode(p['temperature'])} {p['metric']}: {p['mean']:+.3f} {_interval(clustered, '+')} "
-                f"over {p['tasks']} tasks; episodes {_interval((episode['ci_low'], episode['ci_high']), '+')} "
-                f"over {p['n']}"
-            )
-    return "\n".join(lines)

@@ -25,8 +25,8 @@ from streamrl.evaluation.curves import (
     pair_curves,
     read_metrics,
 )
-from streamrl.evaluation.harness import (
-    AgentSpec,
+from streamrl.evaluation.harness import AgentSpec
+from streamrl.evaluation.summary import (
     EpisodeRecord,
     paired_difference,
     paired_difference_by_task,
