@@ -337,7 +337,7 @@ class EvalConfig(RolloutFields):
     threads: int = 1
     """torch threads (more only for a lone process)."""
     out: Path | None = None
-    """Write the JSON report (with every episode's record) to this file."""
+    """Write the JSON report (with every episode's record) to this file (a str from Python is taken as a path)."""
     progress: bool = True
     """Show a progress bar (``--no-progress`` for logs)."""
     env_kwargs: Mapping[str, Any] = field(default_factory=dict)
@@ -661,9 +661,10 @@ def run_evaluation(config: EvalConfig, log: Callable[[str], None] | None = None)
                 report["paired"].append({"temperature": temperature, "metric": metric, "a": "A", "b": "B"})
                 report["paired"][-1].update(paired_entry(a, b, metric))
     report["seconds"] = round(time.perf_counter() - started, 1)
-    if config.out is not None:
-        config.out.parent.mkdir(parents=True, exist_ok=True)
-        config.out.write_text(json.dumps(report, indent=1))
+    if config.out is not None:  # a str from Python callers, a Path from the CLI
+        out = Path(config.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1))
     return report
 
 

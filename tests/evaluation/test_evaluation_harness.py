@@ -102,9 +102,15 @@ def test_eval_cli_reports_every_metric_and_breakdowns_that_sum(
         assert {e["groups"]["family"] for e in mode} == set(result["breakdown"]["family"])
 
 
-def test_the_scripted_expert_solves_math_tir() -> None:
+def test_the_scripted_expert_solves_math_tir(tmp_path: Path) -> None:
+    out = tmp_path / "reports" / "expert.json"  # a str, as Python callers write it; the CLI gives a Path
     report = run_evaluation(
-        EvalConfig(agent="expert", **{**SMALL, "tasks": 8}, temperatures=(1.0,)), log=QUIET
+        EvalConfig(agent="expert", **{**SMALL, "tasks": 8}, temperatures=(1.0,), out=str(out)),  # type: ignore[arg-type]
+        log=QUIET,
+    )
+    assert (
+        json.loads(out.read_text())["agents"][0]["results"][0]["summary"]
+        == report["agents"][0]["results"][0]["summary"]
     )
     (result,) = report["agents"][0]["results"]
     s = result["summary"]
