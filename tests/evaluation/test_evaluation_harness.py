@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from streamrl.algorithms.train import TrainConfig, train
+from helpers import QUIET, run_config
+from streamrl.algorithms.train import train
 from streamrl.cli.main import main
 from streamrl.evaluation.compare import CompareConfig, compare
 from streamrl.evaluation.curves import read_metrics
 from streamrl.evaluation.harness import EvalConfig, run_evaluation
 
-QUIET = lambda _: None  # noqa: E731
 SMALL: dict[str, Any] = dict(
     tasks=3, samples=2, max_new_tokens=8, num_envs=4, env_workers="inprocess", progress=False
 )
@@ -34,22 +34,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
     out = {}
     for algo in ("spo++", "spo"):
-        config = TrainConfig(
-            out=str(root / algo),
-            algo=algo,
-            init="base",
-            updates=2,
-            batch=4,
-            num_envs=4,
-            tasks=4,
-            offline_rollouts=1,
-            eval_every=1,
-            eval_episodes=4,
-            max_new_tokens=8,
-            env_workers="inprocess",
-            checkpoint_every=0,
+        train(
+            run_config(root / algo, algo=algo, eval_every=1, eval_episodes=4, max_new_tokens=8),
+            progress=False,
         )
-        train(config, progress=False)
         out[algo] = root / algo
     return out
 
