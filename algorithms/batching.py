@@ -10,7 +10,9 @@ question the rule decides -- it never compares the name:
   version is published (``drain``);
 - before a publication: which buffered episodes must be trained first (``due``) and whether in-flight work
   must be waited for (``must_wait``), so that no trained token is more than ``max_staleness`` versions old;
-- the batch itself (``take``).
+- the batch itself (``take``);
+- with ``dispatch="trainable"``: how many more episodes the current version can still train
+  (``trainable_room``), so that none is started only to be dropped.
 
 The three rules (``docs/reference.md``): ``current-version`` (SPO++ §2.4: the first completed requests of the
 current version; older work is filed in the tracker, never trained), ``any`` (first completed within the
@@ -70,6 +72,15 @@ class BatchStrategy:
         the version advances) must finish first."""
         return publishing and any(job.ticket.version <= limit for job in in_flight)
 
+    def trainable_room(
+        self, left: int, buffer: Sequence[Episode], in_flight: Iterable[Job], version: int
+    ) -> int | None:
+        """How many more episodes dispatched now at ``version`` can still be trained, when ``left`` more are
+        trained before the next publication and ``buffer`` and ``in_flight`` hold the finished and running
+        ones; ``None``: no bound beyond admission (the rule trains work of older versions within the staleness
+        bound, so nothing it starts is thrown away for its version)."""
+        return None
+
     def due(self, buffer: Sequence[Episode], limit: int) -> list[Episode]:
         """Before a publication: the buffered episodes that must be trained now (oldest first)."""
         due = [e for e in buffer if e.min_version <= limit]
@@ -112,6 +123,15 @@ class CurrentVersion(BatchStrategy):
 
     def due(self, buffer: Sequence[Episode], limit: int) -> list[Episode]:
         return []
+
+    def trainable_room(
+        self, left: int, buffer: Sequence[Episode], in_flight: Iterable[Job], version: int
+    ) -> int | None:
+        """The version's remaining batches minus the current-version episodes already buffered or running:
+        an episode started beyond that is still in flight at the publication, and drained."""
+        current = sum(e.ticket.version >= version for e in buffer)
+        current += sum(job.ticket.version >= version for job in in_flight)
+        return max(0, left - current)
 
 
 class Groups(BatchStrategy):

@@ -33,7 +33,7 @@ does so on a kept vector env (offline values, held-out evaluation, value pretrai
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
@@ -233,10 +233,15 @@ class Rollouts:
             self._running[episode_id] = _Running(job, env_id)
 
     # -- stepping -----------------------------------------------------------------------------------------
-    def poll(self, timeout: float | None = None) -> list[Finished]:
+    def poll(
+        self, timeout: float | None = None, on_finished: Callable[[list[Finished]], None] | None = None
+    ) -> list[Finished]:
         """Receive ready results, act on every episode that awaits an action, send; return finished jobs.
 
         Blocks until at least one result is ready (all of them with ``lockstep``) or ``timeout`` passes.
+        ``on_finished``: called with the jobs that finished before generating for the others (which are then
+        not returned), so that the caller can start new jobs in their slots at once -- their resets run in the
+        env workers while the backend generates -- instead of after the generation call.
         """
         if self.venv.num_pending == 0:
             return []
@@ -261,6 +266,9 @@ class Rollouts:
                 finished.append(self._finish(result, run))
             else:
                 to_act.append((run, result))
+        if finished and on_finished is not None:
+            on_finished(finished)
+            finished = []
         if to_act:
             to_act.sort(key=lambda item: item[0].job.key)  # batch order independent of arrival order
             started = time.perf_counter()

@@ -3,7 +3,9 @@
 One loop, in the order the data flows::
 
     dispatch   the tracker samples tasks (prioritized for SPO/SPO++), freezes baselines on tickets; admission
-               keeps dispatched - dropped <= (max_staleness + k + 1) * B * P at version k (AReaL's rule)
+               keeps dispatched - dropped <= (max_staleness + k + 1) * B * P at version k (AReaL's rule);
+               ``dispatch="trainable"``: no more than the batch rule can still train at version k, and freed
+               slots are refilled as soon as their episodes finish
     roll out   Rollouts: episodes on the streaming vector env, their turns batched through the backend
     file       the algorithm files outcomes in the tracker when episodes return (SPO++) or after the update (SPO)
     batch      the algorithm's batch rule forms an update batch of B episodes; before a publication, episodes
@@ -55,7 +57,7 @@ from streamrl.algorithms.placement import make_backend, make_learner
 from streamrl.algorithms.publish import Publisher, PublishError
 from streamrl.algorithms.run_dir import RunDir
 from streamrl.algorithms.run_log import TrainingLog
-from streamrl.algorithms.runtime import Job, Rollouts
+from streamrl.algorithms.runtime import Finished, Job, Rollouts
 from streamrl.algorithms.side_rollouts import SideRollouts
 from streamrl.algorithms.tracker import EventTracker, Ticket
 from streamrl.algorithms.train_config import (
@@ -212,6 +214,7 @@ class Trainer:
         self.ledger = Ledger()
         self.pending = EpisodeBuffer(self.rule, self.algorithm.keep_group)
         self.queued: list[Job] = []  # tickets to (re)start before sampling new ones (resume)
+        self.training = 0  # episodes of the batch taken and not yet trained (dispatch="trainable")
         self.generator_busy = 0.0
         self.learner_busy = 0.0
         self.started = time.perf_counter()
@@ -296,12 +299,21 @@ class Trainer:
 
     # -- dispatch and rollout ----------------------------------------------------------------------------------
     def _capacity(self) -> int:
-        """How many more trajectories admission allows now (AReaL's rule, in trajectories)."""
+        """How many more trajectories admission allows now (AReaL's rule, in trajectories); with
+        ``dispatch="trainable"`` also no more than the batch rule can still train at the current version."""
         c = self.config
-        per_version = c.batch * self.algorithm.config.publish_every
+        every = self.algorithm.config.publish_every
         dropped = self.ledger.dropped_stale + self.ledger.dropped_group + self.ledger.failed
-        allowed = (c.max_staleness + self.tracker.version + 1) * per_version + dropped
-        return allowed - self.ledger.dispatched
+        allowed = (c.max_staleness + self.tracker.version + 1) * c.batch * every + dropped
+        room = allowed - self.ledger.dispatched
+        if c.dispatch == "trainable":
+            # still to train before the next publication, less the batch taken for the update under way
+            left = (every - self.updates % every) * c.batch - self.training
+            in_flight = [*self.rollouts.running, *self.queued]
+            trainable = self.rule.trainable_room(left, self.pending.episodes, in_flight, self.tracker.version)
+            if trainable is not None:
+                room = min(room, trainable)
+        return room
 
     def _dispatch(self) -> None:
         free = self.rollouts.free_slots
@@ -328,10 +340,18 @@ class Trainer:
 
     def _poll(self, timeout: float | None) -> None:
         before = self.rollouts.generated_tokens
-        finished = self.rollouts.poll(timeout=timeout)
+        refill = self._refill if self.config.dispatch == "trainable" else None
+        finished = self.rollouts.poll(timeout=timeout, on_finished=refill)
         self.ledger.generated_tokens += self.rollouts.generated_tokens - before
         for item in finished:
             self._receive(Episode(item.trajectory, item.job.ticket, item.job.group))
+
+    def _refill(self, finished: Sequence[Finished]) -> None:
+        """``dispatch="trainable"``: file the episodes that just finished and start what may be started in
+        their slots before the backend generates for the others (``Rollouts.poll``'s ``on_finished``)."""
+        for item in finished:
+            self._receive(Episode(item.trajectory, item.job.ticket, item.job.group))
+        self._dispatch()
 
     def _receive(self, episode: Episode) -> None:
         """File a returned episode: failed (cancelled), stale (filed, dropped) or waiting for a batch."""
@@ -360,6 +380,9 @@ class Trainer:
                 if batch is not None:
                     if self.config.max_staleness == 0:
                         batch.sort(key=lambda e: e.ticket.dispatch_index)  # arrival order is not reproducible
+                    self.training = len(batch)
+                    if self.config.dispatch == "trainable" and not publishing:
+                        self._dispatch()  # the slots this batch freed start their next episodes meanwhile
                     return batch
             self._dispatch()
             if not self.rollouts.running:
@@ -397,6 +420,7 @@ class Trainer:
         metrics["policy_trained"] = float(trains_policy)
         metrics.update(self.algorithm.after_update(self.tracker, batch, self.learner))
         self.updates += 1
+        self.training = 0
         self.ledger.trained += len(batch)
         self.ledger.trained_tokens += sum(e.num_action_tokens for e in batch)
         published = None

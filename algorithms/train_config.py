@@ -25,6 +25,7 @@ BackendName = Literal["hf", "vllm"]
 Init = Literal["sft", "base"]
 EnvWorkers = Literal["subprocess", "inprocess"]
 Cluster = Literal["local", "ray"]
+Dispatch = Literal["fill", "trainable"]
 PLACEMENT = (
     "cluster",
     "address",
@@ -88,6 +89,15 @@ class TrainConfig(ActionConstraint, RolloutFields):
     """Updates between checkpoints (also on SIGINT/SIGTERM and at the end)."""
     keep_versions: int = 3
     """Published policy versions kept on disk (at least max_staleness + 1)."""
+    dispatch: Dispatch = "fill"
+    """Which episodes are started. ``"fill"`` (SPO++ as published): every free rollout slot, within the admission
+    bound of ``max_staleness``; under the ``current-version`` rule the episodes still in flight when a version is
+    published are filed and not trained (about one per slot per publication). ``"trainable"``: only what the
+    batch rule can still train at the current version (``BatchStrategy.trainable_room``: for
+    ``current-version`` the version's remaining B x P minus what is buffered or in flight), and the slots a batch
+    frees are refilled before an update that does not publish. Under ``current-version`` it trains every episode
+    it starts, the slow ones too, where ``"fill"`` trains the first completed: it changes what SPO++ trains
+    (docs/training.md, "Thrown-away work")."""
     overlap: bool | None = None
     """Generate while the learner updates; ``None`` = only with an out-of-process backend (vLLM, Ray engines)."""
     env_workers: EnvWorkers = "subprocess"
@@ -204,6 +214,8 @@ class TrainConfig(ActionConstraint, RolloutFields):
         for error in c.rollout_errors():
             raise ConfigError(error)
         self._validate_cluster()
+        if c.dispatch not in ("fill", "trainable"):
+            raise ConfigError(f"dispatch must be 'fill' or 'trainable', got {c.dispatch!r}")
         for name in ("max_staleness", "offline_rollouts", "eval_every", "eval_episodes", "checkpoint_every"):
             if getattr(c, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(c, name)}")
@@ -262,6 +274,7 @@ class TrainConfig(ActionConstraint, RolloutFields):
             saved.setdefault("sft", {})
             saved.setdefault("constrain_actions", False)  # saved before the field: unconstrained
             saved.setdefault("avoid_repeats", False)  # saved before the field: repeats allowed
+            saved.setdefault("dispatch", "fill")  # saved before the field: every free slot
             for values in (saved, mine):  # how the ranks hold the policy is placement: checkpoints are full
                 (values.get("learner") or {}).pop("sharding", None)
             changed = sorted(

@@ -50,6 +50,16 @@ def test_current_version_drains_superseded_work_and_never_waits() -> None:
     ]  # nothing is "due": it trains the current version
 
 
+def test_trainable_room_counts_only_current_version_work_against_what_the_version_still_trains() -> None:
+    rule = CurrentVersion()
+    buffer = [episode(0, version=2), episode(1, version=1)]  # the old one is drained at the publication
+    in_flight = [job(2), job(2), job(1)]  # the old one is dropped when it returns
+    assert rule.trainable_room(8, buffer, in_flight, version=2) == 8 - 3
+    assert rule.trainable_room(2, buffer, in_flight, version=2) == 0  # never negative
+    for other in (AnyVersion(), Groups(2)):  # they train old work within the bound: no cap but admission
+        assert other.trainable_room(8, buffer, in_flight, version=2) is None
+
+
 def test_any_rule_trains_the_due_episodes_first_and_waits_for_old_work_before_a_publication() -> None:
     buffer = EpisodeBuffer(AnyVersion(), keep_group=lambda rewards: True)
     recent, old_late, old_early = episode(5, 1), episode(3, 0), episode(2, 0)

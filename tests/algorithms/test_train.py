@@ -529,6 +529,37 @@ def test_current_version_rule_files_old_work_but_never_trains_it(primed: Path, t
     assert run.rows[-1]["ledger/dropped_stale"] == len(superseded)
 
 
+def test_trainable_dispatch_starts_no_episode_the_current_version_rule_would_drop(
+    primed: Path, tmp_path: Path
+) -> None:
+    """SPO++ as published (``dispatch="fill"``) drops the episodes in flight at each publication; with
+    ``dispatch="trainable"`` every episode started is trained (or still buffered / in flight at the end), also
+    across a resume and with generation overlapping the learner, and each batch is current-version work only."""
+    published = staleness_config(
+        tmp_path / "fill", primed, algo="spo++", max_staleness=2, algorithm={"publish_every": 1}
+    )
+    assert train(published).rows[-1]["ledger/dropped_stale"] > 0, "precondition: the published rule drops"
+    config = replace(published, out=str(tmp_path / "run"), dispatch="trainable")
+    runs = [train(config), train(replace(config, updates=8), resume=True)]
+    assert runs[1].trainer.updates == 8
+    for run in runs:
+        for row in run.rows:
+            assert row["ledger/dropped_stale"] == 0
+            # publishing every update, a publication leaves nothing behind: all that was started was trained
+            assert row["ledger/dispatched"] == row["ledger/trained"] + row["ledger/failed"]
+        for update in run.updates:
+            assert all(e.ticket.version == update.version for e in update.episodes)
+    # generating while the learner updates, two updates per version: nothing is started for the version during
+    # the update that publishes over it (the batch under training counts as still to train)
+    overlapped = train(
+        replace(config, out=str(tmp_path / "overlap"), overlap=True, algorithm={"publish_every": 2})
+    )
+    for row in overlapped.rows:
+        assert row["ledger/dropped_stale"] == 0
+        if row["published"] is not None:
+            assert row["ledger/dispatched"] == row["ledger/trained"] + row["ledger/failed"]
+
+
 def test_any_rule_trains_old_work_within_max_staleness(primed: Path, tmp_path: Path) -> None:
     run = train(staleness_config(tmp_path / "run", primed, algo="spo", max_staleness=1))
     assert run.rows[-1]["ledger/dropped_stale"] == 0
