@@ -1021,6 +1021,9 @@ BAD = [
         id="avoid-unconstrained",
     ),
     pytest.param(
+        {"dispatch": "sized"}, "dispatch must be 'fill' or 'trainable', got 'sized'", id="dispatch-unknown"
+    ),
+    pytest.param(
         {"env_kwargs": {"max_stepz": 3}},
         "env_kwargs=\\{'max_stepz': 3\\} do not fit the math_tir env",
         id="env-kwargs",
