@@ -307,8 +307,8 @@ def test_killing_an_env_actor_and_a_rollout_engine_mid_run_loses_no_episode(
 
     poll = trainer.rollouts.poll
 
-    def watched_poll(timeout: float | None = None) -> list[Finished]:
-        finished = poll(timeout=timeout)
+    def watched_poll(timeout: float | None = None, on_finished: Any = None) -> list[Finished]:
+        finished = poll(timeout=timeout, on_finished=on_finished)
         failures.extend(f for f in finished if f.trajectory.info.get("error") is not None)
         if engines.restarts > len(checked):  # a replacement is up: it serves the current policy
             published = read_adapter_probe(trainer.run_dir / "policy" / f"v{engines.adapter_version}")

@@ -362,8 +362,8 @@ def test_sigterm_mid_rollout_requeues_in_flight_work_and_keeps_finished_work(
     trainer = first.trainer
     poll = trainer.rollouts.poll
 
-    def poll_then_signal(timeout: float | None = None) -> Any:
-        finished = poll(timeout=timeout)
+    def poll_then_signal(timeout: float | None = None, on_finished: Any = None) -> Any:
+        finished = poll(timeout=timeout, on_finished=on_finished)
         if trainer.updates >= 1 and finished and trainer.rollouts.running:  # some finished, some mid-way
             os.kill(os.getpid(), signal.SIGTERM)
         return finished
