@@ -343,15 +343,17 @@ class Trainer:
         refill = self._refill if self.config.dispatch == "trainable" else None
         finished = self.rollouts.poll(timeout=timeout, on_finished=refill)
         self.ledger.generated_tokens += self.rollouts.generated_tokens - before
-        for item in finished:
-            self._receive(Episode(item.trajectory, item.job.ticket, item.job.group))
+        self._receive_finished(finished)
 
     def _refill(self, finished: Sequence[Finished]) -> None:
         """``dispatch="trainable"``: file the episodes that just finished and start what may be started in
         their slots before the backend generates for the others (``Rollouts.poll``'s ``on_finished``)."""
+        self._receive_finished(finished)
+        self._dispatch()
+
+    def _receive_finished(self, finished: Sequence[Finished]) -> None:
         for item in finished:
             self._receive(Episode(item.trajectory, item.job.ticket, item.job.group))
-        self._dispatch()
 
     def _receive(self, episode: Episode) -> None:
         """File a returned episode: failed (cancelled), stale (filed, dropped) or waiting for a batch."""
