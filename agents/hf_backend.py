@@ -25,6 +25,12 @@ preallocated KV cache, the layer arithmetic from the weight tensors, no module c
 LM, ``HFForwardDecoder`` (the model's forward over a ``DynamicCache``); ``HFBackendConfig.decode`` chooses.
 Finished rows stay in the batch until they are a quarter of it, then leave it (their KV-cache rows are dropped).
 
+Episode history. After a call, the static decoder's keys and values of each row's prompt and generated tokens
+stay in ``HFBackend.prefix_cache`` (``streamrl.agents.prefix_cache``, at most
+``HFBackendConfig.prefix_cache_bytes``) until the weights change; a later prompt that continues one of them (the
+next turn of an episode: prompt, generated tokens, observation) runs only its new tokens. The generated ids and
+log-probs are those of the whole prompt to float rounding (the kept keys were computed one decode step at a time).
+
 Adapters. ``set_adapter(path, v)`` loads the peft adapter saved at ``path`` under a name of the backend's own
 (``streamrl-v<v>-load<n>``) and serves it; the backend's previous loads are then deleted. ``set_adapter(None,
 v)`` serves the base weights (every adapter disabled during the backend's forward passes) without deleting
@@ -61,6 +67,7 @@ from streamrl.agents.base import (
 from streamrl.agents.batch import pad_right
 from streamrl.agents.logprobs import position_ids_from_mask, token_logprobs
 from streamrl.agents.models import load_tokenizer, resolve_model
+from streamrl.agents.prefix_cache import CachedPrefix, PrefixCache
 from streamrl.agents.static_cache import StaticCacheDecoder
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -85,6 +92,9 @@ class HFBackendConfig:
     KV cache, no module calls; ``ValueError`` for a model it cannot run), "hf" = the model's own forward over a
     transformers ``DynamicCache`` (any causal LM), "auto" (default) = "static" where it can run, else "hf". Both
     compute the same logits up to float rounding and sample them the same way."""
+    prefix_cache_bytes: int = 1 << 30
+    """Keys and values kept for prompts that continue an earlier generation (the next turn of an episode), at most
+    this many bytes (``streamrl.agents.prefix_cache``); 0 = every prompt runs whole. The static decoder only."""
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -93,6 +103,8 @@ class HFBackendConfig:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.decode not in ("auto", "static", "hf"):
             raise ValueError(f"decode must be 'auto', 'static' or 'hf', got {self.decode!r}")
+        if self.prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be >= 0 (0 = off), got {self.prefix_cache_bytes}")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -315,6 +327,7 @@ class HFBackend:
         self._loads = 0  # adapters loaded so far (each gets a fresh peft adapter name)
         self._closed = False
         self._string_ends: dict[tuple[int, tuple[str, ...]], frozenset[int]] = {}
+        self.prefix_cache = PrefixCache(self.config.prefix_cache_bytes)
         self.pad_token_id = int(
             self.tokenizer.pad_token_id
             if self.tokenizer.pad_token_id is not None
@@ -356,6 +369,7 @@ class HFBackend:
             raise ValueError(f"adapter version must be >= 0, got {version}")
         with self._lock:
             self._check_open()
+            self.prefix_cache.clear()  # computed with the weights served until now
             if path is None:
                 self._adapter_name, self._base_weights, self._version = None, True, version
                 return
@@ -511,7 +525,13 @@ class HFBackend:
         live = n
         with self._serving():
             decoder = self._decoder()
-            logits = decoder.prefill(prompts, steps)
+            found: list[CachedPrefix | None] | None = None
+            if isinstance(decoder, StaticCacheDecoder) and self.config.prefix_cache_bytes:
+                self.prefix_cache.sync(self._weights_state())
+                found = [self.prefix_cache.lookup(p) for p in prompts]
+                logits = decoder.prefill(prompts, steps, found)
+            else:
+                logits = decoder.prefill(prompts, steps)
             table, string_ends = self._stop_table(logits.shape[-1], stop_ids, params.stop_strings)
             for step in range(steps):
                 constrained = [(j, r) for j, r in enumerate(rows) if r in prefixes and ends[r] is None]
@@ -553,12 +573,16 @@ class HFBackend:
                 if live == 0:
                     break
                 if 4 * (len(rows) - live) >= len(rows):  # finished rows are a quarter of the batch: drop them
+                    if found is not None:
+                        self._keep_prefixes(decoder, prompts, rows, ends, lengths, tokens, found)
                     keep = [j for j, r in enumerate(rows) if ends[r] is None]
                     kept = torch.as_tensor(keep, device=self.device)
                     decoder.keep(kept)
                     rows = [rows[j] for j in keep]
                     index, chosen = index[kept], chosen[kept]
                 logits = decoder.step(chosen)
+            if found is not None:
+                self._keep_prefixes(decoder, prompts, rows, ends, lengths, tokens, found)
         ids, lps = tokens.tolist(), logprobs.tolist()
         out = []
         for row, end in enumerate(ends):
@@ -574,6 +598,36 @@ class HFBackend:
                 )
             )
         return out
+
+    def _weights_state(self) -> tuple[Any, ...]:
+        """What the served weights are: the version and adapter served, and every parameter tensor's version
+        counter (bumped by any in-place write: a loaded checkpoint, an optimizer step on a shared model)."""
+        active = getattr(self._model, "active_adapter", None)
+        return (
+            self._version,
+            self._adapter_name,
+            self._base_weights,
+            str(active),
+            tuple(p._version for p in self._model.parameters()),
+        )
+
+    def _keep_prefixes(
+        self,
+        decoder: StaticCacheDecoder,
+        prompts: Sequence[Sequence[int]],
+        rows: list[int],
+        ends: list[tuple[FinishReason, Any] | None],
+        lengths: list[int],
+        tokens: torch.Tensor,
+        found: list[CachedPrefix | None],
+    ) -> None:
+        """Put the finished rows still in ``decoder`` into the prefix cache: prompt + generated tokens but the
+        last (never fed), each superseding the entry its prompt started with."""
+        for j, row in enumerate(rows):
+            if ends[row] is None or lengths[row] == 0:
+                continue
+            fed = [*prompts[row], *tokens[row, : lengths[row] - 1].tolist()]
+            self.prefix_cache.store(decoder.export(j, fed), continues=found[row])
 
     @staticmethod
     def _constrain(
@@ -620,3 +674,4 @@ class HFBackend:
         with self._lock:
             self._model = None
             self._closed = True
+            self.prefix_cache.clear()

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from streamrl.agents.prefix_cache import CachedPrefix
 
 _LAYER_CLASSES = ("Qwen2DecoderLayer", "LlamaDecoderLayer")
 _FIRST_ROOM = 64
@@ -215,10 +216,20 @@ class StaticCacheDecoder:
 
     # -- the batch ------------------------------------------------------------------------------------------
 
-    def prefill(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> torch.Tensor:
+    def prefill(
+        self,
+        prompts: Sequence[Sequence[int]],
+        new_tokens: int,
+        prefixes: Sequence[CachedPrefix | None] | None = None,
+    ) -> torch.Tensor:
         """Start a batch: run ``prompts`` (right-padded) through the model, keep their keys and values in a cache
         that grows to room for ``new_tokens`` more per row, and return the logits after each prompt,
-        ``[rows, vocab]`` (model dtype)."""
+        ``[rows, vocab]`` (model dtype).
+
+        ``prefixes[i]``, when given, holds the keys and values of the first ``prefixes[i].length`` tokens of
+        ``prompts[i]`` (a strict prefix, computed with these weights): only the tokens after it run."""
+        if prefixes is not None and any(p is not None for p in prefixes):
+            return self._prefill_after(prompts, new_tokens, prefixes)
         rows = len(prompts)
         lengths = [len(p) for p in prompts]
         width = max(lengths)
@@ -226,26 +237,7 @@ class StaticCacheDecoder:
         for row, prompt in enumerate(prompts):
             ids[row, : len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.long)
         ids = ids.to(self.device)
-        self.rows = rows
-        self.width = width
-        self.columns = width  # cache columns written so far
-        self.max_columns = width + new_tokens
-        self.lengths = torch.as_tensor(lengths, device=self.device)
-        self.positions = self.lengths.clone()  # position of each row's next token
-        self.padded = min(lengths) != width
-        # The cache starts with room for a few generated tokens and doubles its generated part when full, so a
-        # large max_new_tokens costs memory only when the tokens are generated.
-        capacity = min(self.max_columns, width + _FIRST_ROOM)
-        # A row's valid cache columns: its prompt, then every generated column.
-        self.valid = torch.arange(capacity, device=self.device)[None, :] < self.lengths[:, None]
-        shape = (rows, self.kv_heads, capacity, self.head_dim)
-        self.keys = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        self.values = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        positions = torch.arange(self.max_columns, device=self.device)
-        freqs = positions[:, None].float() * self.inv_freq.to(device=self.device, dtype=torch.float)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * self.rope_scaling).to(self.dtype)
-        self.sin = (emb.sin() * self.rope_scaling).to(self.dtype)
+        self._start(lengths, new_tokens, torch.empty)
 
         x = F.embedding(ids, self.embedding)
         cos, sin = self.cos[None, None, :width], self.sin[None, None, :width]
@@ -263,6 +255,116 @@ class StaticCacheDecoder:
         mask = self.valid[:, None, None, :width] if self.padded else None
         x_last = self._finish_layer(last, layer, x_last, h_last, pos, mask)
         return self.lm_head(_rms_norm(x_last, self.norm))[:, -1]
+
+    def _start(self, lengths: list[int], new_tokens: int, allocate: Any) -> None:
+        """The batch's bookkeeping and its cache (``allocate``: ``torch.empty`` or ``torch.zeros``) for prompts
+        of ``lengths`` and room for ``new_tokens`` more per row."""
+        width = max(lengths)
+        self.rows = len(lengths)
+        self.width = width
+        self.columns = width  # cache columns written so far
+        self.max_columns = width + new_tokens
+        self.lengths = torch.as_tensor(lengths, device=self.device)
+        self.positions = self.lengths.clone()  # position of each row's next token
+        self.padded = min(lengths) != width
+        # The cache starts with room for a few generated tokens and doubles its generated part when full, so a
+        # large max_new_tokens costs memory only when the tokens are generated.
+        capacity = min(self.max_columns, width + _FIRST_ROOM)
+        # A row's valid cache columns: its prompt, then every generated column.
+        self.valid = torch.arange(capacity, device=self.device)[None, :] < self.lengths[:, None]
+        shape = (self.rows, self.kv_heads, capacity, self.head_dim)
+        self.keys = [allocate(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.values = [allocate(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        positions = torch.arange(self.max_columns, device=self.device)
+        freqs = positions[:, None].float() * self.inv_freq.to(device=self.device, dtype=torch.float)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * self.rope_scaling).to(self.dtype)
+        self.sin = (emb.sin() * self.rope_scaling).to(self.dtype)
+
+    def _prefill_after(
+        self, prompts: Sequence[Sequence[int]], new_tokens: int, prefixes: Sequence[CachedPrefix | None]
+    ) -> torch.Tensor:
+        """``prefill`` where some rows start with cached keys and values: a row's prompt tokens sit at the cache
+        columns of their positions, its cached prefix is copied in, and only its remaining tokens (the
+        *suffix*, right-padded to the longest suffix) run, attending causally to the prefix and to each other.
+        Columns past a row's prompt are zeros and masked, as in a right-padded prefill."""
+        rows = len(prompts)
+        starts = [0 if p is None else p.length for p in prefixes]
+        for row, (prompt, start) in enumerate(zip(prompts, starts, strict=True)):
+            if start >= len(prompt):
+                raise ValueError(f"prefixes[{row}] covers {start} of the prompt's {len(prompt)} tokens")
+        lengths = [len(p) for p in prompts]
+        self._start(lengths, new_tokens, torch.zeros)
+        width = self.width
+        for row, prefix in enumerate(prefixes):
+            if prefix is not None:
+                for i in range(len(self.layers)):
+                    self.keys[i][row, :, : prefix.length] = prefix.keys[i]
+                    self.values[i][row, :, : prefix.length] = prefix.values[i]
+        suffix = max(n - s for n, s in zip(lengths, starts, strict=True))
+        ids = torch.zeros((rows, suffix), dtype=torch.long)
+        for row, (prompt, start) in enumerate(zip(prompts, starts, strict=True)):
+            ids[row, : len(prompt) - start] = torch.as_tensor(list(prompt[start:]), dtype=torch.long)
+        ids = ids.to(self.device)
+        start_t = torch.as_tensor(starts, device=self.device)
+        offsets = torch.arange(suffix, device=self.device)
+        real = offsets[None, :] < (self.lengths - start_t)[:, None]  # [rows, suffix]: not padding
+        pos = torch.where(real, start_t[:, None] + offsets[None, :], 0)  # padding reads position 0's rotation
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [rows, 1, suffix, head_dim]
+        # Query (row, j) sees the columns up to its own position.
+        mask = torch.arange(width, device=self.device)[None, None, None, :] <= pos[:, None, :, None]
+        where = real.nonzero(as_tuple=True)
+        rows_at, columns_at = where[0], pos[where]
+        x = F.embedding(ids, self.embedding)
+        for i, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer.input_norm)
+            k = _rotate(layer.k(h).view(rows, suffix, -1, self.head_dim).transpose(1, 2), cos, sin)
+            v = layer.v(h).view(rows, suffix, -1, self.head_dim)
+            self.keys[i][rows_at, :, columns_at] = k.transpose(1, 2)[where]
+            self.values[i][rows_at, :, columns_at] = v[where]
+            if i == len(self.layers) - 1:  # the last layer: at each prompt's last position only
+                last = self.lengths - start_t - 1
+                index = torch.arange(rows, device=self.device)
+                x = self._finish_layer(
+                    i,
+                    layer,
+                    x[index, last][:, None],
+                    h[index, last][:, None],
+                    self.lengths - 1,
+                    self.valid[:, None, None, :width],
+                )
+                break
+            q = _rotate(layer.q(h).view(rows, suffix, -1, self.head_dim).transpose(1, 2), cos, sin)
+            out = F.scaled_dot_product_attention(
+                q,
+                self.keys[i][:, :, :width],
+                self.values[i][:, :, :width],
+                attn_mask=mask,
+                scale=self.scale,
+                enable_gqa=self.heads != self.kv_heads,
+            )
+            x = x + layer.o(out.transpose(1, 2).reshape(rows, suffix, -1))
+            x = x + _mlp(layer, _rms_norm(x, layer.post_norm))
+        self.padded = True
+        return self.lm_head(_rms_norm(x, self.norm))[:, -1]
+
+    def export(self, row: int, tokens: Sequence[int]) -> CachedPrefix:
+        """The keys and values of batch row ``row``'s prompt and its first ``len(tokens) - prompt length``
+        generated tokens (``tokens``: those ids, prompt first; every one of them fed by a ``step``), copied out of
+        the batch's cache."""
+        prompt = int(self.lengths[row])
+        generated = len(tokens) - prompt
+        if generated < 0 or self.width + generated > self.columns:
+            raise ValueError(f"row {row} has {prompt} prompt tokens and {self.columns - self.width} fed")
+
+        def take(cache: torch.Tensor) -> torch.Tensor:
+            return torch.cat(
+                (cache[row, :, :prompt], cache[row, :, self.width : self.width + generated]), dim=1
+            )
+
+        return CachedPrefix(
+            tuple(tokens), tuple(take(k) for k in self.keys), tuple(take(v) for v in self.values)
+        )
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append ``tokens`` (``[rows]``, one per row) and return the logits after them, ``[rows, vocab]``."""

@@ -20,6 +20,11 @@ Also measured, in the same run:
 - **log-probs**: the new path's sampled log-probs against the teacher-forced ``score`` (the learner's
   ``token_logprobs`` computation), max abs difference.
 
+- **episodes of several turns** (``--turns``, default 4): each row's next prompt is its prompt, the tokens it
+  generated and a 40-token observation, as ``LLMAgent`` builds a ``"full"``-context episode; the time of all
+  turns' calls for the previous path, the static decoder with every prompt run whole (``prefix_cache_bytes=0``)
+  and the static decoder reusing each row's kept history (the default), with their greedy ids compared.
+
 Writes ``benchmarks/results/generation/generation.json``:
 
     OMP_NUM_THREADS=1 python benchmarks/bench_generation.py [--models tiny smollm2-135m] [--repeats 7]
@@ -199,9 +204,76 @@ def measure(name: str, args: argparse.Namespace, baseline: Any) -> dict[str, Any
     row["sampled_logprob_vs_score_max_abs"] = max(
         abs(a - b) for g, s in zip(gens, scored, strict=True) for a, b in zip(g.logprobs, s, strict=True)
     )
+    row["episodes"] = measure_turns(name, args, baseline, prompts)
     new.close()
     old.close()
     return row
+
+
+def measure_turns(
+    name: str, args: argparse.Namespace, baseline: Any, prompts: list[list[int]]
+) -> dict[str, Any]:
+    """Seconds of ``args.turns`` successive calls whose prompts continue the previous turn's rows (module doc)."""
+    arms = {
+        "previous": baseline.HFBackend(
+            name, config=baseline.HFBackendConfig(device="cpu", num_threads=args.threads)
+        ),
+        "static_whole_prompts": HFBackend(
+            name, config=HFBackendConfig(device="cpu", num_threads=args.threads, prefix_cache_bytes=0)
+        ),
+        "static_prefix_reuse": HFBackend(
+            name, config=HFBackendConfig(device="cpu", num_threads=args.threads)
+        ),
+    }
+    observation = make_prompts(arms["previous"].tokenizer, args.batch, 40)
+    for backend in arms.values():
+        backend.eos_token_ids = frozenset()
+        backend.generate(prompts[:2], SamplingParams(max_new_tokens=4, seed=0))
+
+    def episode(backend: Any, params: SamplingParams) -> tuple[float, list[list[int]]]:
+        rows, seconds = [list(p) for p in prompts], 0.0
+        for _ in range(args.turns):
+            start = time.perf_counter()
+            gens = backend.generate(rows, params, seeds=list(range(len(rows))))
+            seconds += time.perf_counter() - start
+            rows = [r + g.token_ids + o for r, g, o in zip(rows, gens, observation, strict=True)]
+        return seconds, rows
+
+    sampled = SamplingParams(max_new_tokens=args.new_tokens, seed=0)
+    times: dict[str, list[float]] = {arm: [] for arm in arms}
+    for repeat in range(args.repeats):
+        for arm in list(arms) if repeat % 2 == 0 else list(reversed(arms)):
+            times[arm].append(episode(arms[arm], sampled)[0])
+        print(
+            f"{name} episodes repeat {repeat}: " + ", ".join(f"{a} {t[-1]:.3f} s" for a, t in times.items())
+        )
+    greedy = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0)
+    final = {arm: episode(backend, greedy)[1] for arm, backend in arms.items()}
+    produced = args.batch * args.new_tokens * args.turns
+    out: dict[str, Any] = {
+        "turns": args.turns,
+        "observation_tokens": 40,
+        "prompt_tokens_last_turn": [
+            min(map(len, final["previous"])) - 40 - args.new_tokens,
+            max(map(len, final["previous"])) - 40 - args.new_tokens,
+        ],
+        "greedy_ids_identical": final["previous"]
+        == final["static_whole_prompts"]
+        == final["static_prefix_reuse"],
+        "reused_tokens": arms["static_prefix_reuse"].prefix_cache.reused_tokens,
+    }
+    for arm, runs in times.items():
+        out[arm] = {"seconds": runs, "tok_per_s_median": produced / statistics.median(runs)}
+    for arm in ("static_whole_prompts", "static_prefix_reuse"):
+        out[f"ratio_{arm}_vs_previous"] = statistics.median(
+            a / b for a, b in zip(times["previous"], times[arm], strict=True)
+        )
+    out["ratio_prefix_reuse_vs_whole_prompts"] = statistics.median(
+        a / b for a, b in zip(times["static_whole_prompts"], times["static_prefix_reuse"], strict=True)
+    )
+    for backend in arms.values():
+        backend.close()
+    return out
 
 
 def main() -> None:
@@ -212,6 +284,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--turns", type=int, default=4, help="turns of the episode measurement")
     parser.add_argument("--baseline-rev", default=BASELINE_REV)
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "generation" / "generation.json"

@@ -480,3 +480,76 @@ def test_stop_string_candidates_contain_every_token_that_completes_a_stop(backen
                 break
     assert completions > 50
     assert len(stop_string_candidates(tok, vocab, ("\n",))) < vocab / 4
+
+
+def test_a_next_turn_reuses_the_kept_history_and_generates_what_a_whole_prompt_does() -> None:
+    """Turn 2 and 3 prompts that continue turn 1's rows (prompt + generated + an observation) run only their new
+    tokens: the same ids, finish reasons and log-probs (to float rounding) as without the prefix cache and as the
+    transformers forward, in a batch that mixes continuing rows with new ones; a weight change empties it."""
+    on = HFBackend("tiny", config=HFBackendConfig(decode="static"))
+    off = HFBackend("tiny", config=HFBackendConfig(decode="static", prefix_cache_bytes=0))
+    reference = HFBackend("tiny", config=HFBackendConfig(decode="hf"))
+    tok = on.tokenizer
+    observation = tok(" You arrive at desk 1. On the desk 1, you see a pen 2.", add_special_tokens=False)
+    fresh = [tok("What is 3 + 4? Use python.")["input_ids"], tok("Go to the fridge 1.")["input_ids"]]
+    for params in (
+        SamplingParams(max_new_tokens=80, temperature=0.0),
+        SamplingParams(max_new_tokens=40, seed=3),
+    ):
+        prompts = _mixed_prompts(on)
+        seeds = list(range(len(prompts)))
+        kept: list[list[int]] = []
+        for turn in range(3):
+            hits, reused = on.prefix_cache.hits, on.prefix_cache.reused_tokens
+            gens = on.generate(prompts, params, seeds=seeds)
+            _same_generations(gens, off.generate(prompts, params, seeds=seeds))
+            _same_generations(gens, reference.generate(prompts, params, seeds=seeds))
+            if turn > 0:  # rows 0-3 continue their own history (its last generated token never ran)
+                assert on.prefix_cache.hits - hits == 4
+                assert on.prefix_cache.reused_tokens - reused == sum(map(len, kept[:4]))
+            kept = [p + g.token_ids[:-1] for p, g in zip(prompts, gens, strict=True)]
+            prompts = [
+                *(
+                    p + g.token_ids + observation["input_ids"]
+                    for p, g in zip(prompts[:4], gens, strict=False)
+                ),
+                *fresh,
+            ]
+        assert off.prefix_cache.hits == 0
+    hits = on.prefix_cache.hits
+    assert hits > 0 and on.prefix_cache.bytes > 0
+    with torch.no_grad():  # an in-place write to the weights (here a no-op) bumps their version counters
+        next(on.model.parameters()).mul_(1.0)
+    on.generate(prompts[:4], SamplingParams(max_new_tokens=4, temperature=0.0))
+    assert on.prefix_cache.hits == hits
+    on.set_adapter(None, 1)
+    assert on.prefix_cache.bytes == 0
+    with pytest.raises(ValueError, match="prefix_cache_bytes must be >= 0"):
+        HFBackendConfig(prefix_cache_bytes=-1)
+
+
+def test_the_prefix_cache_finds_the_longest_kept_prefix_and_evicts_superseded_entries_first() -> None:
+    from streamrl.agents.prefix_cache import CachedPrefix, PrefixCache
+
+    def entry(tokens: list[int]) -> CachedPrefix:  # one layer, one head of size 1: 8 bytes a token
+        kv = torch.arange(len(tokens), dtype=torch.float32).view(1, -1, 1)
+        return CachedPrefix(tuple(tokens), (kv,), (kv.clone(),))
+
+    a = list(range(40))  # longer than a hash block
+    b = a + [7] * 30
+    c = list(range(100, 140))
+    cache = PrefixCache(max_bytes=8 * (40 + 70 + 40))
+    cache.store(entry(a))
+    cache.store(entry(c))
+    assert cache.lookup(a) is None  # a whole prompt is never its own prefix: its last token must run
+    assert cache.lookup([*a, 1]).tokens == tuple(a)  # type: ignore[union-attr]
+    assert cache.lookup([*a[:39], 99, 5]) is None  # diverges inside the kept sequence
+    cache.store(entry(b), continues=entry(a))  # the next turn: a is superseded by b
+    assert cache.lookup([*b, 3]).tokens == tuple(b)  # type: ignore[union-attr]
+    assert cache.lookup([*a, 1]).tokens == tuple(a)  # type: ignore[union-attr]  # superseded, still kept
+    cache.store(entry(list(range(200, 210))))  # over budget: the superseded entry goes, not the older c
+    assert cache.evicted == 1 and cache.lookup([*a, 1]) is None
+    assert cache.lookup([*c, 1]) is not None and cache.lookup([*b, 1]) is not None
+    assert cache.bytes == 8 * (70 + 40 + 10)
+    cache.sync("other weights")
+    assert len(cache) == 0 and cache.bytes == 0
