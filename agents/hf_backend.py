@@ -28,10 +28,8 @@ Finished rows stay in the batch until they are a quarter of it, then leave it (t
 Episode history. After a call, the static decoder's keys and values of each row's prompt and generated tokens
 stay in ``HFBackend.prefix_cache`` (``streamrl.agents.prefix_cache``, at most
 ``HFBackendConfig.prefix_cache_bytes``) until the weights change; a later prompt that continues one of them (the
-next turn of an episode: prompt, generated tokens, observation) runs only its new tokens, and one that starts with
-whole 32-token blocks of one (another episode's system message and task, a windowed context's head) runs only the
-rest. Reused prompt blocks are bitwise what the prompt pass computes; a reused history's generated tokens were
-computed one decode step at a time, so a next turn's ids and log-probs are the whole prompt's to float rounding.
+next turn of an episode: prompt, generated tokens, observation) runs only its new tokens. The generated ids and
+log-probs are those of the whole prompt to float rounding (the kept keys were computed one decode step at a time).
 
 Adapters. ``set_adapter(path, v)`` loads the peft adapter saved at ``path`` under a name of the backend's own
 (``streamrl-v<v>-load<n>``) and serves it; the backend's previous loads are then deleted. ``set_adapter(None,

@@ -16,18 +16,10 @@ Memory: at most ``max_bytes`` of tensors. An entry that a longer one continued (
 turn) is *superseded* and goes first; then the least recently used. A run whose live episodes' last turns fit
 in the budget never evicts one, so which prompts hit depends on the run's calls alone, not on their timing.
 
-Lookup is by token ids, and takes the longer of two matches (a prompt keeps at least one token of its own,
-whose logits start its generation):
-
-- a whole kept sequence that is a strict prefix of the prompt (the same episode's previous turn);
-- the first ``32 k`` tokens of any kept sequence, whole blocks of ``_BLOCK`` tokens, that the prompt starts with:
-  a system message and task shared by other episodes, or a windowed context (ALFWorld's) whose head stays while
-  its later turns change.
-
-Sequences are indexed by a hash chain over blocks of ``_BLOCK`` tokens (plus the tail of each), so a lookup costs a
-few hashes per distinct kept length and per block of the prompt, not the length of every kept sequence; a
-candidate is compared token by token before it is used. A match is computed, by the causality of the model, from
-its tokens alone, whichever sequence it was kept from.
+Lookup is by token ids: the longest kept sequence that is a strict prefix of the prompt (a prompt needs at
+least one token of its own, whose logits start its generation). Sequences are indexed by a hash chain over
+blocks of ``_BLOCK`` tokens plus their tail, so a lookup costs a few hashes per distinct kept length, not the
+length of every kept sequence; a candidate is compared token by token before it is used.
 """
 
 from __future__ import annotations
@@ -83,8 +75,6 @@ class PrefixCache:
         self._live: OrderedDict[tuple[int, int, tuple[int, ...]], CachedPrefix] = OrderedDict()
         self._superseded: OrderedDict[tuple[int, int, tuple[int, ...]], CachedPrefix] = OrderedDict()
         self._lengths: dict[int, int] = {}  # kept length -> entries of that length
-        self._chains: dict[tuple[int, int, tuple[int, ...]], list[int]] = {}  # entry -> its hash chain
-        self._blocks: dict[int, dict[tuple[int, int, tuple[int, ...]], None]] = {}  # chain hash -> entries
         self.bytes = 0
         self.hits = 0
         self.misses = 0
@@ -104,88 +94,52 @@ class PrefixCache:
         self._live.clear()
         self._superseded.clear()
         self._lengths.clear()
-        self._chains.clear()
-        self._blocks.clear()
         self.bytes = 0
 
     def lookup(self, prompt: Sequence[int]) -> CachedPrefix | None:
-        """The longest kept prefix of ``prompt`` (module doc): a whole kept sequence, or whole blocks of one; ``None``
-        when none is kept."""
+        """The longest kept sequence that is a strict prefix of ``prompt``, or ``None``."""
         if not self._lengths:
             self.misses += 1
             return None
-        blocks = (len(prompt) - 1) // _BLOCK
-        lengths = sorted((n for n in self._lengths if n < len(prompt)), reverse=True)
-        chain = _chain(prompt, max(blocks, lengths[0] // _BLOCK if lengths else 0))
-        best: CachedPrefix | None = None
-        for length in lengths:
-            key = _index_key(length, chain, prompt)
-            for table in (self._live, self._superseded):
-                entry = table.get(key)
-                if entry is not None and list(entry.tokens) == list(prompt[:length]):
-                    if table is self._live:
-                        table.move_to_end(key)
-                    best = entry
-                    break
-            if best is not None:
-                break
-        for b in range(blocks, 0, -1):
-            if best is not None and b * _BLOCK <= best.length:
-                break
-            found = self._block_source(chain[b], prompt, b * _BLOCK)
-            if found is not None:
-                n = b * _BLOCK
-                best = CachedPrefix(
-                    found.tokens[:n],
-                    tuple(k[:, :n] for k in found.keys),
-                    tuple(v[:, :n] for v in found.values),
-                )
-                break
-        if best is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self.reused_tokens += best.length
-        return best
-
-    def _block_source(self, chained: int, prompt: Sequence[int], n: int) -> CachedPrefix | None:
-        """A kept sequence whose first ``n`` tokens (whole blocks, hash ``chained``) are ``prompt``'s first ``n``."""
-        for key in reversed(self._blocks.get(chained, {})):
-            entry = self._live.get(key) or self._superseded.get(key)
-            if entry is not None and list(entry.tokens[:n]) == list(prompt[:n]):
-                if key in self._live:
-                    self._live.move_to_end(key)
-                return entry
+        candidates = sorted((n for n in self._lengths if n < len(prompt)), reverse=True)
+        if candidates:
+            chain = _chain(prompt, candidates[0] // _BLOCK)
+            for length in candidates:
+                key = _index_key(length, chain, prompt)
+                for table in (self._live, self._superseded):
+                    entry = table.get(key)
+                    if entry is not None and list(entry.tokens) == list(prompt[:length]):
+                        if table is self._live:
+                            table.move_to_end(key)
+                        self.hits += 1
+                        self.reused_tokens += length
+                        return entry
+        self.misses += 1
         return None
 
     def store(self, entry: CachedPrefix, continues: CachedPrefix | None = None) -> None:
         """Keep ``entry``; ``continues`` (the entry its prompt was found to start with) is superseded by it."""
-        if continues is not None:  # a whole kept sequence (blocks of one are copies: not superseded)
-            old = self._key(continues.tokens)[0]
-            if self._live.get(old) is continues:
+        if continues is not None:
+            old = self._key(continues.tokens)
+            if old in self._live:
                 self._superseded[old] = self._live.pop(old)
         size = entry.nbytes
         if size > self.max_bytes or entry.length == 0:
             return
-        key, chain = self._key(entry.tokens)
+        key = self._key(entry.tokens)
         for table in (self._live, self._superseded):
             if key in table:
                 self._drop(table, key)
         self._live[key] = entry
         self._lengths[entry.length] = self._lengths.get(entry.length, 0) + 1
-        self._chains[key] = chain
-        for hashed in chain[1:]:
-            self._blocks.setdefault(hashed, {})[key] = None
         self.bytes += size
         while self.bytes > self.max_bytes:
             self._drop(self._superseded if self._superseded else self._live, None)
             self.evicted += 1
 
     @staticmethod
-    def _key(tokens: Sequence[int]) -> tuple[tuple[int, int, tuple[int, ...]], list[int]]:
-        """The index key of a sequence, and its hash chain."""
-        chain = _chain(tokens, len(tokens) // _BLOCK)
-        return _index_key(len(tokens), chain, tokens), chain
+    def _key(tokens: Sequence[int]) -> tuple[int, int, tuple[int, ...]]:
+        return _index_key(len(tokens), _chain(tokens, len(tokens) // _BLOCK), tokens)
 
     def _drop(
         self,
@@ -194,15 +148,10 @@ class PrefixCache:
     ) -> None:
         """Remove ``key`` (``None`` = the oldest) from ``table``."""
         if key is None:
-            key, entry = table.popitem(last=False)
+            _, entry = table.popitem(last=False)
         else:
             entry = table.pop(key)
         self.bytes -= entry.nbytes
-        for hashed in self._chains.pop(key, [0])[1:]:
-            holders = self._blocks.get(hashed, {})
-            holders.pop(key, None)
-            if not holders:
-                self._blocks.pop(hashed, None)
         count = self._lengths[entry.length] - 1
         if count:
             self._lengths[entry.length] = count
