@@ -20,6 +20,12 @@ Lookup is by token ids: the longest kept sequence that is a strict prefix of the
 least one token of its own, whose logits start its generation). Sequences are indexed by a hash chain over
 blocks of ``_BLOCK`` tokens plus their tail, so a lookup costs a few hashes per distinct kept length, not the
 length of every kept sequence; a candidate is compared token by token before it is used.
+
+Only a whole kept sequence is reused, not a head shared with one (another episode's system message): a prompt's
+own history is kept whatever the timing of the calls, whereas which other episodes' sequences are kept when a
+prompt runs depends on the order the calls ran in, and the rest of a prompt that reused a head runs through the
+explicit-mask attention, equal to the whole prompt pass to float rounding only. Shared heads made a synchronous
+run's losses differ in their last bits between two runs on a loaded machine (measured); whole sequences do not.
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ runs the same computation from the model's weight tensors directly:
   columns after the longest prompt, and a row's padding columns are masked out of its later steps;
 - the last layer of the prefill computes its keys and values at every prompt position but its attention and MLP
   only at each prompt's last position: the other positions' outputs would feed nothing but the unused logits;
+- ``prefill(..., prefixes=...)`` starts rows from kept keys and values (``streamrl.agents.prefix_cache``): a
+  row's cached prefix is copied to the columns of its positions and only the rest of its prompt runs, attending
+  to the prefix and causally to itself under an explicit mask; ``export`` copies a row's keys and values out;
 - LoRA layers of peft (unmerged, plain LoRA) add ``lora_B(lora_A(x)) * scaling`` after the base projection,
   peft's own order of operations, read from the adapter weights at construction; the decoder reads the adapter
   state (active adapters, disabled adapters) of the model as it is when constructed.
