@@ -623,10 +623,12 @@ class HFBackend:
     ) -> None:
         """Put the finished rows still in ``decoder`` into the prefix cache: prompt + generated tokens but the
         last (never fed), each superseding the entry its prompt started with."""
-        for j, row in enumerate(rows):
-            if ends[row] is None or lengths[row] == 0:
-                continue
-            fed = [*prompts[row], *tokens[row, : lengths[row] - 1].tolist()]
+        done = [(j, row) for j, row in enumerate(rows) if ends[row] is not None]
+        if not done:
+            return
+        generated = tokens[[row for _, row in done]].tolist()  # one transfer for the rows kept
+        for (j, row), ids in zip(done, generated, strict=True):
+            fed = [*prompts[row], *ids[: lengths[row] - 1]]
             self.prefix_cache.store(decoder.export(j, fed), continues=found[row])
 
     @staticmethod

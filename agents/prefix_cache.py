@@ -114,7 +114,7 @@ class PrefixCache:
                 key = _index_key(length, chain, prompt)
                 for table in (self._live, self._superseded):
                     entry = table.get(key)
-                    if entry is not None and list(entry.tokens) == list(prompt[:length]):
+                    if entry is not None and entry.tokens == tuple(prompt[:length]):
                         if table is self._live:
                             table.move_to_end(key)
                         self.hits += 1
