@@ -32,6 +32,7 @@ from streamrl.agents.base import Agent, GenerationBackend, SamplingParams
 from streamrl.agents.llm_agent import ContextPolicy, LLMAgent
 from streamrl.agents.prompts import ALFWorldPrompt, MathTIRPrompt, PromptFormat
 from streamrl.agents.rollout import LockstepResult, play_lockstep
+from streamrl.envs.math_tasks import MATH_SFT_FAMILIES
 from streamrl.utils.modules import import_user_module
 
 
@@ -249,13 +250,6 @@ def _math_expert(env: Any) -> Agent:
     return agent
 
 
-MATH_SFT_FAMILIES: tuple[str, ...] = ("mod", "combin", "series")
-"""Procedural Math-TIR families the SFT recipe trains and evaluates on: their reference programs are one line
-(``print(pow(30, 170, 46))``, ``print(math.comb(11, 3))``, ``print(sum(7 + 3 * i for i in range(25)))``), so a
-~2M-parameter model trained from scratch only has to learn to copy two or three numbers from the question into
-the program and the tool's output into ``\\boxed{}``. Longer programs need a pretrained model."""
-
-
 def _math_family_filter(env: Any) -> Callable[[str], bool]:
     family = {t.task_id: t.meta.get("family") for t in env.unwrapped.tasks}
     return lambda task_id: family.get(task_id) in MATH_SFT_FAMILIES
@@ -264,13 +258,9 @@ def _math_family_filter(env: Any) -> Callable[[str], bool]:
 def _math_synthetic_tasks(n: int, seed: int) -> dict[str, Any]:
     """``n`` fresh procedural problems of ``MATH_SFT_FAMILIES`` (a seed of their own), none of whose questions
     is in the held-out ``test`` split: cheap extra expert data, since copying numbers is learnt from variety."""
-    from streamrl.envs.math_tasks import procedural_records, procedural_tasks, sample_procedural
+    from streamrl.envs.math_tasks import synthetic_procedural
 
-    if n < 0:
-        raise ValueError(f"the number of synthetic tasks must be >= 0, got {n}")
-    held_out = frozenset(t.question for t in procedural_tasks("test"))
-    raw = sample_procedural(f"streamrl-sft-math-{seed}", n, exclude=held_out, families=MATH_SFT_FAMILIES)
-    return {"tasks": list(procedural_records(raw, f"sft-synthetic/{seed}/", "train"))}
+    return {"tasks": list(synthetic_procedural(n, seed))}
 
 
 def _math_held_out_tasks(n: int, seed: int) -> dict[str, Any]:

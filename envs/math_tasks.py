@@ -12,7 +12,9 @@ the scripted solver (``streamrl.agents.math_solver``) sends through the real san
   answer key and says so (``MathTask.solution_kind == "answer_key"``; see :func:`solution_coverage`).
 * ``procedural`` -- our own generator of multi-step arithmetic and algebra word problems with exact
   (``Fraction``) answers: thirteen families (docs/platform.md §5) plus two chained
-  families where each step's result feeds the next.
+  families where each step's result feeds the next. Its test split is ten times the others (3,000
+  problems, about 200 per family), so that a held-out evaluation of one family has several hundred
+  distinct tasks; generated SFT data (:func:`synthetic_procedural`) never draws a test problem.
 * ``custom`` -- a user's own ``(question, answer)`` records (:func:`custom_tasks`).
 
 This module turns the sources into task sets (ids, splits, sizes, the ``mixed`` interleaving); the
@@ -37,7 +39,9 @@ from streamrl.envs.math_procedural import PROCEDURAL_FAMILIES, sample_procedural
 __all__ = [
     "GSM_TEST_SEED",
     "GSM_TRAIN_SEED",
+    "MATH_SFT_FAMILIES",
     "PROCEDURAL_FAMILIES",
+    "PROCEDURAL_TEST_SIZE",
     "MathTask",
     "SolutionKind",
     "Source",
@@ -49,6 +53,7 @@ __all__ = [
     "procedural_records",
     "procedural_tasks",
     "solution_coverage",
+    "synthetic_procedural",
     "task_set",
 ]
 
@@ -64,6 +69,22 @@ TaskOrigin = Literal["gsm_symbolic", "procedural", "custom"]
 
 TRAIN_SIZE = 1500
 TEST_SIZE = 300
+"""Test problems of ``gsm_symbolic`` (and of each source in ``mixed``); the first 300 of ``procedural``'s."""
+PROCEDURAL_TEST_SIZE = 3000
+"""Test problems of ``procedural``: about 200 per family (440 in ``MATH_SFT_FAMILIES``), so that a held-out
+evaluation has several hundred distinct tasks, the unit of its intervals. The first ``TEST_SIZE`` are the split
+as it was before it grew (same ids, same problems)."""
+MATH_SFT_FAMILIES: tuple[str, ...] = ("mod", "combin", "series")
+"""Procedural families the SFT recipe trains and evaluates on: their reference programs are one line
+(``print(pow(30, 170, 46))``, ``print(math.comb(11, 3))``, ``print(sum(7 + 3 * i for i in range(25)))``), so a
+~2M-parameter model trained from scratch only has to learn to copy two or three numbers from the question into
+the program and the tool's output into ``\\boxed{}``. Longer programs need a pretrained model."""
+SFT_POOLS: tuple[tuple[int, int], ...] = ((0, 3000), (1000, 3000), (2000, 3000), (-1, 100), (-1001, 100), (-2001, 100))
+"""``(seed, n)`` of the generated SFT problems (:func:`synthetic_procedural`) the shipped checkpoints were built
+from: the 3-epoch and 12-epoch recipes' synthetic data (seed 0 and its restarts 1000, 2000) and their validation
+draws (``-1 - seed``). They were drawn when the test split had its first 300 problems only; the rest of the test
+split avoids them, so those draws (and the checkpoints' data) are unchanged now that every draw avoids the whole
+split."""
 GSM_TRAIN_SEED = 42
 GSM_TEST_SEED = 20_260_101
 PROCEDURAL_TRAIN_SEED = 0
@@ -177,18 +198,46 @@ def gsm_symbolic_tasks(split: Split = "train", size: int | None = None) -> tuple
 
 @functools.lru_cache(maxsize=8)
 def procedural_tasks(split: Split = "train", size: int | None = None) -> tuple[MathTask, ...]:
-    """Procedural multi-step problems: ``train`` = 1,500, ``test`` = ``TEST_SIZE``, disjoint by question.
-    ``size`` takes a prefix (ids do not change with it)."""
+    """Procedural multi-step problems: ``train`` = 1,500, ``test`` = ``PROCEDURAL_TEST_SIZE``, disjoint by
+    question; the test split also avoids the generated SFT problems of ``SFT_POOLS``. ``size`` takes a prefix
+    (ids do not change with it)."""
     _check_split(split)
-    full = TRAIN_SIZE if split == "train" else TEST_SIZE
+    full = TRAIN_SIZE if split == "train" else PROCEDURAL_TEST_SIZE
     size = full if size is None else size
     _check_size(size, full)
     if split == "train":
         raw = sample_procedural(PROCEDURAL_TRAIN_SEED, size)
     else:
-        train = frozenset(q for q, *_ in sample_procedural(PROCEDURAL_TRAIN_SEED, TRAIN_SIZE))
-        raw = sample_procedural(PROCEDURAL_TEST_SEED, size, exclude=train)
+        raw = sample_procedural(PROCEDURAL_TEST_SEED, size, exclude=_train_questions() | _sft_pool_questions())
     return procedural_records(raw, f"procedural/{split}/", split, digits=5)
+
+
+@functools.lru_cache(maxsize=1)
+def _train_questions() -> frozenset[str]:
+    return frozenset(q for q, *_ in sample_procedural(PROCEDURAL_TRAIN_SEED, TRAIN_SIZE))
+
+
+@functools.lru_cache(maxsize=1)
+def _sft_pool_questions() -> frozenset[str]:
+    """The questions of ``SFT_POOLS`` as they were drawn, avoiding the first ``TEST_SIZE`` test problems (which
+    never meet a pool problem: a draw that met one would have made it a test problem, so drawing the first 300
+    test problems while avoiding the pools changes nothing)."""
+    first = frozenset(q for q, *_ in sample_procedural(PROCEDURAL_TEST_SEED, TEST_SIZE, exclude=_train_questions()))
+    return frozenset(q for seed, n in SFT_POOLS for q, *_ in _sft_draw(seed, n, first))
+
+
+def _sft_draw(seed: int, n: int, exclude: frozenset[str]) -> list[tuple[str, str, str, str, int]]:
+    return sample_procedural(f"streamrl-sft-math-{seed}", n, exclude=exclude, families=MATH_SFT_FAMILIES)
+
+
+def synthetic_procedural(n: int, seed: int) -> tuple[MathTask, ...]:
+    """``n`` freshly generated problems of ``MATH_SFT_FAMILIES`` drawn with a seed of their own (``seed``), none
+    of whose questions is in the ``test`` split (they may repeat a training problem): cheap extra expert data
+    for SFT (``"sft-synthetic/<seed>/<index>"`` ids, split ``"train"``)."""
+    if n < 0:
+        raise ValueError(f"the number of synthetic tasks must be >= 0, got {n}")
+    held_out = frozenset(t.question for t in procedural_tasks("test"))
+    return procedural_records(_sft_draw(seed, n, held_out), f"sft-synthetic/{seed}/", "train")
 
 
 def procedural_records(
@@ -261,7 +310,7 @@ def task_set(
     """The tasks of ``source`` (``"gsm_symbolic"``, ``"procedural"`` or ``"mixed"``) and ``split``.
 
     ``"mixed"`` interleaves the two sources (gsm_symbolic first), ``size`` tasks in all (default: both
-    full splits).
+    full splits; of the larger procedural test split, its first ``TEST_SIZE`` problems).
     """
     if source == "gsm_symbolic":
         return gsm_symbolic_tasks(split, size)
@@ -273,7 +322,8 @@ def task_set(
     full = TRAIN_SIZE if split == "train" else TEST_SIZE
     if size is not None:
         _check_size(size, 2 * full)
-    gsm, proc = gsm_symbolic_tasks(split), procedural_tasks(split)
+    gsm = gsm_symbolic_tasks(split)
+    proc = procedural_tasks(split, len(gsm))  # the procedural test split is larger: its first problems
     mixed = [t for pair in zip(gsm, proc, strict=True) for t in pair]
     return tuple(mixed if size is None else mixed[:size])
 

@@ -73,7 +73,8 @@ class MathTIRConfig:
     the default, so a policy learns both to read a problem and to compute with the tool). Ignored when
     custom ``tasks`` are given."""
     split: Split = "train"
-    """``"train"`` (1,500 problems per source) or ``"test"`` (300 per source, disjoint from train)."""
+    """``"train"`` (1,500 problems per source) or ``"test"`` (disjoint from train: 300 ``gsm_symbolic``
+    problems, 3,000 ``procedural`` ones, 600 ``mixed``)."""
     size: int | None = None
     """Use only the first ``size`` tasks of the split (``None`` = all)."""
     max_tool_calls: int = 8

@@ -32,7 +32,8 @@ from streamrl.algorithms.train import TrainConfig, train
 from streamrl.evaluation.compare import CompareConfig, compare
 from streamrl.evaluation.curves import HELD_OUT, compare_curves, load_curve
 
-ALGOS = ("spo++", "spo")
+ALGOS = ("spo++", "spo", "grpo")  # SPO++ and its baselines: SPO (single stream), GRPO (groups of G = 8)
+CONTROL = "spo++-lr0"  # the control: SPO++ with learning rate 0 (the frozen start, evaluated like the others)
 AREA = {"alfworld": "auc_trapz", "math_tir": "auc_mean"}  # SPO++ App. A: how each env's area is computed
 
 # SPO++ Table 3. ALFWorld: the base policy, 128 canonical games, <= 50 interactions, 1,024 offline rollouts,
@@ -46,18 +47,17 @@ PAPER: dict[str, dict[str, Any]] = {
 PAPER_LEARNER = LearnerConfig(finetune="full", lr=1e-6, weight_decay=0.1, mini_batches=1, epochs=1)
 PAPER_EVAL: dict[str, Any] = {"eval_every": 5, "eval_episodes": 200, "backend": "hf", "threads": 8}
 
-# What 2 CPU cores afford in about an hour and a half per env (three seeds of both algorithms, one run per core).
-# Math-TIR: the demo's batch and learning rate, 20 updates, the held-out curve 200 test episodes every 5 updates.
-# ALFWorld: the first 32 training games, 25-step episodes, 2 offline rollouts per game, 3 updates of 16, the
-# held-out curve 32 ``eval_seen`` episodes at updates 0 and 3 (a held-out ALFWorld episode costs about 10 s).
+# What 2 CPU cores afford. Math-TIR: exactly the demo's run (``streamrl demo``: 60 updates of 64 from its 3-epoch
+# SFT start, lr 1e-4, the held-out curve every test task of the SFT families once, every 10 updates), one torch
+# thread, so two runs share the machine. ALFWorld: the first 32 training games, 25-step episodes, 2 offline
+# rollouts per game, 3 updates of 16, the held-out curve 32 ``eval_seen`` episodes at updates 0 and 3 (a held-out
+# ALFWorld episode costs about 10 s).
 CPU: dict[str, dict[str, Any]] = {
-    "math_tir": {"updates": 20, "batch": 64, "num_envs": 32, "eval_every": 5, "eval_episodes": 200},
     "alfworld": {
         "updates": 3, "batch": 16, "num_envs": 16, "tasks": 32, "offline_rollouts": 2, "eval_every": 3,
-        "eval_episodes": 32, "env_kwargs": {"max_steps": 25},
+        "eval_episodes": 32, "env_kwargs": {"max_steps": 25}, "learner": LearnerConfig(lr=1e-4, mini_batches=4),
     },
 }  # fmt: skip
-CPU_LEARNER = LearnerConfig(lr=1e-4, mini_batches=4)
 
 TINY: dict[str, Any] = {
     "init": "base",
@@ -72,13 +72,24 @@ TINY_ENV: dict[str, dict[str, Any]] = {"alfworld": {"env_kwargs": {"max_steps": 
 
 
 def run_config(scale: str, env: str, algo: str, seed: int, out: Path, model: str) -> TrainConfig:
-    """The config of one run; the two algorithms' configs differ only in ``algo``."""
-    base = TrainConfig(out=str(out / env / f"{algo}-seed{seed}"), env=env, algo=algo, seed=seed, model=model)
-    if scale == "paper":
-        return replace(base, **PAPER[env], **PAPER_EVAL, learner=PAPER_LEARNER)
-    if scale == "cpu":
-        return replace(base, **CPU[env], learner=CPU_LEARNER)
-    return replace(base, **TINY, **TINY_ENV[env])
+    """The config of one run; the algorithms' configs differ only in ``algo`` (the control: SPO++ at lr 0)."""
+    name = algo
+    algo, lr0 = ("spo++", True) if algo == CONTROL else (algo, False)
+    run = str(out / env / f"{name}-seed{seed}")
+    if scale == "cpu" and env == "math_tir":
+        from streamrl.cli.demo import DemoConfig
+
+        base = DemoConfig(out=Path(run), seed=seed, threads=1, progress=False).train_config()
+        base = replace(base, algo=algo)
+    else:
+        base = TrainConfig(out=run, env=env, algo=algo, seed=seed, model=model)
+        if scale == "paper":
+            base = replace(base, **PAPER[env], **PAPER_EVAL, learner=PAPER_LEARNER)
+        elif scale == "cpu":
+            base = replace(base, **CPU[env])
+        else:
+            base = replace(base, **TINY, **TINY_ENV[env])
+    return replace(base, learner=replace(base.learner, lr=0.0)) if lr0 else base
 
 
 def table(out: Path, envs: list[str], seeds: list[int]) -> dict[str, Any]:
@@ -124,7 +135,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--envs", nargs="+", choices=["alfworld", "math_tir"], default=["alfworld", "math_tir"]
     )
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--algos", nargs="+", choices=ALGOS, default=list(ALGOS), help="the first is the reference")
+    parser.add_argument(
+        "--control", action=argparse.BooleanOptionalAction, default=True,
+        help=f"also train the control ({CONTROL}: SPO++ at learning rate 0) at the first seed",
+    )  # fmt: skip
+    parser.add_argument("--train-only", action="store_true", help="train (or resume) the runs; no table")
     parser.add_argument(
         "--model", default="tiny", help="registry name or local model directory (paper: 0.8B)"
     )
@@ -137,9 +154,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     if len(a.seeds) < 2 and not a.dry_run:
         parser.error("paired differences need at least two seeds (the paper: 3 to 5)")
-    configs = [
-        run_config(a.scale, e, algo, s, a.out, a.model) for e in a.envs for s in a.seeds for algo in ALGOS
-    ]
+    arms = [(algo, s) for s in a.seeds for algo in a.algos]
+    if a.control:
+        arms.insert(0, (CONTROL, a.seeds[0]))
+    configs = [run_config(a.scale, e, algo, s, a.out, a.model) for e in a.envs for algo, s in arms]
     if a.dry_run:
         for c in configs:  # the algorithm with its env preset, and the config's JSON round trip
             make_algorithm(c.algo, env=c.env, **dict(c.algorithm))
@@ -152,6 +170,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if run["interrupted"]:  # Ctrl-C / SIGTERM: the run checkpointed; running this again resumes it
             print(f"interrupted in {c.out} at update {run['updates']}; run the same command to resume")
             return {"interrupted": c.out}
+    if a.train_only:
+        return {"trained": [c.out for c in configs]}
     rows = table(a.out, a.envs, a.seeds)
     result = {"scale": a.scale, "wall_s": round(time.perf_counter() - started, 1), "table": rows}
     (a.out / "table1.json").write_text(json.dumps(result, indent=2))

@@ -25,13 +25,37 @@ from streamrl.envs.sandbox import SandboxPool
 @pytest.mark.parametrize("source", ["gsm_symbolic", "procedural"])
 def test_splits_have_the_promised_sizes_and_are_disjoint(source: str) -> None:
     train, test = task_set(source, "train"), task_set(source, "test")
-    assert (len(train), len(test)) == (1500, 300)
+    want = 300 if source == "gsm_symbolic" else 3000
+    assert (len(train), len(test)) == (1500, want)
     train_q, test_q = {t.question for t in train}, {t.question for t in test}
-    assert len(train_q) == 1500 and len(test_q) == 300  # no duplicates inside a split
+    assert len(train_q) == 1500 and len(test_q) == want  # no duplicates inside a split
     assert train_q.isdisjoint(test_q)
     ids = [t.task_id for t in train + test]
     assert len(set(ids)) == len(ids)
     assert train[17].task_id == f"{source}/train/00017" and test[0].task_id == f"{source}/test/00000"
+
+
+def test_the_procedural_test_split_grew_without_moving_a_problem_or_the_shipped_sft_data() -> None:
+    # The split as it was (its first 300 problems, drawn avoiding the training split only) is its prefix, and
+    # every generated SFT draw the shipped checkpoints were built from (drawn avoiding those 300 only) is
+    # unchanged now that draws avoid the whole split; no generated SFT problem of any seed is a test problem.
+    sample = math_tasks.sample_procedural
+    train = frozenset(t.question for t in procedural_tasks("train"))
+    before = sample(math_tasks.PROCEDURAL_TEST_SEED, 300, exclude=train)
+    test = procedural_tasks("test")
+    assert [t.question for t in test[:300]] == [q for q, *_ in before]
+    first = frozenset(q for q, *_ in before)
+    families = math_tasks.MATH_SFT_FAMILIES
+    for seed, n in math_tasks.SFT_POOLS:
+        drawn = sample(f"streamrl-sft-math-{seed}", n, exclude=first, families=families)
+        assert [t.question for t in math_tasks.synthetic_procedural(n, seed)] == [q for q, *_ in drawn]
+    test_q = {t.question for t in test}
+    for seed in (0, 7, -8):
+        assert test_q.isdisjoint(t.question for t in math_tasks.synthetic_procedural(4000, seed))
+    # several hundred distinct held-out tasks in the families the SFT recipe and the demo play
+    assert sum(t.meta["family"] in families for t in test) >= 400
+    with pytest.raises(ValueError, match="synthetic tasks must be >= 0, got -1"):
+        math_tasks.synthetic_procedural(-1, 0)
 
 
 def test_task_ids_name_the_same_problem_on_every_build() -> None:
@@ -57,7 +81,7 @@ def test_size_takes_a_prefix_and_mixed_interleaves() -> None:
     with pytest.raises(ValueError, match="split"):
         task_set("mixed", "validation")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="size"):
-        task_set("procedural", "test", 301)
+        task_set("procedural", "test", 3001)
 
 
 def _run_locally(program: str) -> str:
