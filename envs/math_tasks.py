@@ -79,7 +79,14 @@ MATH_SFT_FAMILIES: tuple[str, ...] = ("mod", "combin", "series")
 (``print(pow(30, 170, 46))``, ``print(math.comb(11, 3))``, ``print(sum(7 + 3 * i for i in range(25)))``), so a
 ~2M-parameter model trained from scratch only has to learn to copy two or three numbers from the question into
 the program and the tool's output into ``\\boxed{}``. Longer programs need a pretrained model."""
-SFT_POOLS: tuple[tuple[int, int], ...] = ((0, 3000), (1000, 3000), (2000, 3000), (-1, 100), (-1001, 100), (-2001, 100))
+SFT_POOLS: tuple[tuple[int, int], ...] = (
+    (0, 3000),
+    (1000, 3000),
+    (2000, 3000),
+    (-1, 100),
+    (-1001, 100),
+    (-2001, 100),
+)
 """``(seed, n)`` of the generated SFT problems (:func:`synthetic_procedural`) the shipped checkpoints were built
 from: the 3-epoch and 12-epoch recipes' synthetic data (seed 0 and its restarts 1000, 2000) and their validation
 draws (``-1 - seed``). They were drawn when the test split had its first 300 problems only; the rest of the test
@@ -208,7 +215,9 @@ def procedural_tasks(split: Split = "train", size: int | None = None) -> tuple[M
     if split == "train":
         raw = sample_procedural(PROCEDURAL_TRAIN_SEED, size)
     else:
-        raw = sample_procedural(PROCEDURAL_TEST_SEED, size, exclude=_train_questions() | _sft_pool_questions())
+        raw = sample_procedural(
+            PROCEDURAL_TEST_SEED, size, exclude=_train_questions() | _sft_pool_questions()
+        )
     return procedural_records(raw, f"procedural/{split}/", split, digits=5)
 
 
@@ -222,7 +231,9 @@ def _sft_pool_questions() -> frozenset[str]:
     """The questions of ``SFT_POOLS`` as they were drawn, avoiding the first ``TEST_SIZE`` test problems (which
     never meet a pool problem: a draw that met one would have made it a test problem, so drawing the first 300
     test problems while avoiding the pools changes nothing)."""
-    first = frozenset(q for q, *_ in sample_procedural(PROCEDURAL_TEST_SEED, TEST_SIZE, exclude=_train_questions()))
+    first = frozenset(
+        q for q, *_ in sample_procedural(PROCEDURAL_TEST_SEED, TEST_SIZE, exclude=_train_questions())
+    )
     return frozenset(q for seed, n in SFT_POOLS for q, *_ in _sft_draw(seed, n, first))
 
 

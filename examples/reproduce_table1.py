@@ -136,7 +136,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--envs", nargs="+", choices=["alfworld", "math_tir"], default=["alfworld", "math_tir"]
     )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    parser.add_argument("--algos", nargs="+", choices=ALGOS, default=list(ALGOS), help="the first is the reference")
+    parser.add_argument(
+        "--algos", nargs="+", choices=ALGOS, default=list(ALGOS), help="the first is the reference"
+    )
     parser.add_argument(
         "--control", action=argparse.BooleanOptionalAction, default=True,
         help=f"also train the control ({CONTROL}: SPO++ at learning rate 0) at the first seed",
