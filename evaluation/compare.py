@@ -319,7 +319,7 @@ def _run_facts(run: Path) -> dict[str, Any]:
         "updates": max((int(r.get("update", 0)) for r in rows), default=0),
         "first_eval": held_out[0] if held_out else None,
         "last_eval": held_out[-1] if held_out else None,
-        "held_out_gain": _held_out_gain(run),
+        "held_out_gain": held_out_gain(run),
     }
 
 
@@ -356,7 +356,7 @@ def paired_gain_by_episode(
     return t_interval(_paired(start, end)[0])
 
 
-def _held_out_gain(run: Path) -> dict[str, Any] | None:
+def held_out_gain(run: str | Path) -> dict[str, Any] | None:
     """The run's last held-out evaluation against its first, paired on the same episodes, with the 95 % interval
     clustered by task (``paired_gain``); ``None`` without two evaluations on the same episodes of two tasks
     or more."""

@@ -29,8 +29,15 @@ from typing import Any
 from streamrl.algorithms.base import make_algorithm
 from streamrl.algorithms.learner import LearnerConfig
 from streamrl.algorithms.train import TrainConfig, train
-from streamrl.evaluation.compare import CompareConfig, compare
-from streamrl.evaluation.curves import HELD_OUT, compare_curves, load_curve
+from streamrl.evaluation.compare import (
+    CompareConfig,
+    compare,
+    held_out_evaluations,
+    held_out_gain,
+    paired_gain,
+)
+from streamrl.evaluation.curves import HELD_OUT, Spread, compare_curves, load_curve, summarize_curves
+from streamrl.utils.stats import t_interval
 
 ALGOS = ("spo++", "spo", "grpo")  # SPO++ and its baselines: SPO (single stream), GRPO (groups of G = 8)
 CONTROL = "spo++-lr0"  # the control: SPO++ with learning rate 0 (the frozen start, evaluated like the others)
@@ -89,43 +96,116 @@ def run_config(scale: str, env: str, algo: str, seed: int, out: Path, model: str
             base = replace(base, **CPU[env])
         else:
             base = replace(base, **TINY, **TINY_ENV[env])
+            if algo == "grpo":  # groups of 2 in batches of 4
+                base = replace(base, algorithm={"group_size": 2})
     return replace(base, learner=replace(base.learner, lr=0.0)) if lr0 else base
 
 
-def table(out: Path, envs: list[str], seeds: list[int]) -> dict[str, Any]:
-    """Table 1 from the runs under ``out``: per env, area and end of both algorithms and their paired difference."""
+def _seed_interval(values: list[float]) -> dict[str, Any]:
+    """Mean ± sample s.d. of per-seed values and their 95 % t interval over seeds (the seed is the unit when
+    asking which algorithm to use: each seed is one independent run of each)."""
+    spread = Spread.of(values).to_dict()
+    ci = t_interval(values) if len(values) > 1 else None
+    return spread | {"ci_low": None if ci is None else ci.low, "ci_high": None if ci is None else ci.high}
+
+
+def _last_evaluation(run: Path) -> tuple[int, list[dict[str, Any]]]:
+    evals = held_out_evaluations(run)
+    return max(evals), evals[max(evals)]
+
+
+def table(out: Path, envs: list[str], seeds: list[int], algos: list[str], control: bool) -> dict[str, Any]:
+    """Table 1 from the runs under ``out``, per env:
+
+    - each algorithm's area and end over seeds (mean ± s.d.), and each run's held-out gain, its last evaluation
+      against its first on the same episodes with the 95 % interval clustered by task (``paired_gain``);
+    - the first algorithm (SPO++) against each other one: the paired differences of area and end over seeds,
+      with their t interval over seeds, and per seed the difference of the two runs' last evaluations on the
+      same episodes (same tasks, same sampling seeds), clustered by task;
+    - the control (SPO++ at learning rate 0) run's gain, which must be 0: it replays its start exactly."""
     rows: dict[str, Any] = {}
+    ref = algos[0]
     for env in envs:
-        curves = {a: [load_curve(out / env / f"{a}-seed{s}", HELD_OUT) for s in seeds] for a in ALGOS}
-        cmp = compare_curves(curves["spo++"], curves["spo"])
+        runs = {a: [out / env / f"{a}-seed{s}" for s in seeds] for a in algos}
+        curves = {a: [load_curve(r, HELD_OUT) for r in runs[a]] for a in algos}
         area = AREA[env]
-        rows[env] = {
+        summary = {a: summarize_curves(curves[a]) for a in algos}
+        gains = {a: [held_out_gain(r) for r in runs[a]] for a in algos}
+        row: dict[str, Any] = {
             "area_metric": area,
-            "spo_area": cmp.b[area].to_dict(),
-            "spo++_area": cmp.a[area].to_dict(),
-            "delta_area": cmp.difference[area].to_dict(),
-            "delta_end": cmp.difference["final"].to_dict(),
             "seeds": seeds,
+            "algorithms": {
+                a: {
+                    "area": summary[a][area].to_dict(),
+                    "end": summary[a]["final"].to_dict(),
+                    "held_out_gain": gains[a],
+                    "held_out_gain_over_seeds": _seed_interval([g["mean"] for g in gains[a] if g]),
+                }
+                for a in algos
+            },
+            "differences": {},
         }
-        runs = tuple(out / env / f"{a}-seed{s}" for a in ALGOS for s in seeds)
-        compare(CompareConfig(runs=runs[: len(seeds)], vs=runs[len(seeds) :], out=out / env / "report"))
+        for other in algos[1:]:
+            cmp = compare_curves(curves[ref], curves[other])
+            last = []
+            for x, y in zip(runs[ref], runs[other], strict=True):
+                (ux, ex), (uy, ey) = _last_evaluation(x), _last_evaluation(y)
+                # paired_gain(start, end) is end − start on the same episodes: here ref − other
+                last.append({"update": min(ux, uy), **paired_gain(ey, ex).to_dict()} if ux == uy else None)
+            row["differences"][f"{ref} - {other}"] = {
+                "area": _seed_interval(list(cmp.difference[area].values)),
+                "end": _seed_interval(list(cmp.difference["final"].values)),
+                "last_evaluation_by_seed": last,
+            }
+            compare(
+                CompareConfig(runs=tuple(runs[ref]), vs=tuple(runs[other]), out=out / env / f"report-{other}")
+            )
+        if control:
+            row["control"] = {
+                "run": CONTROL,
+                "seed": seeds[0],
+                "held_out_gain": held_out_gain(out / env / f"{CONTROL}-seed{seeds[0]}"),
+            }
+        rows[env] = row
     return rows
 
 
 def markdown(rows: dict[str, Any]) -> str:
-    def pp(spread: dict[str, Any]) -> str:
-        mean, sd = spread["mean"], spread["sd"]
-        return "n/a" if mean is None else f"{100 * mean:+.2f}" + ("" if sd is None else f" ± {100 * sd:.2f}")
+    def pp(x: dict[str, Any], interval: bool = True) -> str:
+        if x["mean"] is None:
+            return "n/a"
+        text = f"{100 * x['mean']:+.2f}" + ("" if x["sd"] is None else f" ± {100 * x['sd']:.2f}")
+        if interval and x.get("ci_low") is not None:
+            text += f" [{100 * x['ci_low']:+.2f}, {100 * x['ci_high']:+.2f}]"
+        return text
+
+    def gain(g: dict[str, Any] | None) -> str:
+        return "–" if g is None else f"{g['mean']:+.3f} [{g['ci_low']:+.3f}, {g['ci_high']:+.3f}]"
 
     lines = [
-        "| env | area | SPO | SPO++ | Δ area (pp) | Δ end (pp) | seeds |",
-        "|---|---|---|---|---|---|---|",
+        "| env | algorithm | area | end | held-out gain (pp, mean ± s.d. [95 % over seeds]) | per seed (clustered by task) |",
+        "|---|---|---|---|---|---|",
     ]
     for env, r in rows.items():
-        lines.append(
-            f"| {env} | {r['area_metric']} | {r['spo_area']['mean']:.3f} | {r['spo++_area']['mean']:.3f} | "
-            f"{pp(r['delta_area'])} | {pp(r['delta_end'])} | {len(r['seeds'])} |"
-        )
+        for a, x in r["algorithms"].items():
+            lines.append(
+                f"| {env} | {a} | {x['area']['mean']:.3f} | {x['end']['mean']:.3f} | "
+                f"{pp(x['held_out_gain_over_seeds'])} | {'; '.join(gain(g) for g in x['held_out_gain'])} |"
+            )
+        if "control" in r:
+            c = r["control"]
+            lines.append(f"| {env} | {c['run']} (seed {c['seed']}) | | | | {gain(c['held_out_gain'])} |")
+    lines += [
+        "",
+        "| env | difference | Δ area (pp) | Δ end (pp) | Δ at the last evaluation, per seed (same episodes, clustered by task) | seeds |",
+        "|---|---|---|---|---|---|",
+    ]
+    for env, r in rows.items():
+        for name, d in r["differences"].items():
+            lines.append(
+                f"| {env} | {name} | {pp(d['area'])} | {pp(d['end'])} | "
+                f"{'; '.join(gain(g) for g in d['last_evaluation_by_seed'])} | {len(r['seeds'])} |"
+            )
     return "\n".join(lines)
 
 
@@ -174,13 +254,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             return {"interrupted": c.out}
     if a.train_only:
         return {"trained": [c.out for c in configs]}
-    rows = table(a.out, a.envs, a.seeds)
+    rows = table(a.out, a.envs, a.seeds, a.algos, a.control)
     result = {"scale": a.scale, "wall_s": round(time.perf_counter() - started, 1), "table": rows}
     (a.out / "table1.json").write_text(json.dumps(result, indent=2))
     text = markdown(rows)
     (a.out / "table1.md").write_text(text + "\n")
     print(text)
-    print(f"wall time {result['wall_s']:.0f} s; reports: {a.out}/<env>/report/report.md")
+    print(f"wall time {result['wall_s']:.0f} s; reports: {a.out}/<env>/report-<algorithm>/report.md")
     return result
 
 

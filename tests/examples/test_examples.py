@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from streamrl.utils.stats import t_interval
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -41,11 +42,12 @@ def test_swap_algorithms_runs_each_algorithm_with_one_argument(algo: str, tmp_pa
     assert (out / "evals" / f"update-{config['updates']:05d}.jsonl").is_file()
 
 
-def test_reproduce_table1_pairs_spo_pp_with_spo_and_reports(tmp_path: Path) -> None:
+def test_reproduce_table1_pairs_spo_pp_with_its_baselines_beside_a_control(tmp_path: Path) -> None:
     args = ("reproduce_table1.py", "--scale", "tiny", "--envs", "math_tir", "--seeds", "0", "1")
+    args += ("--algos", "spo++", "grpo")
     # Ctrl-C stops the whole script (the interrupted run checkpoints; no later run starts), and the same command
     # resumes it: it used to move on to the next run and build the table from half a run.
-    first = tmp_path / "runs/table1/math_tir/spo++-seed0/metrics.jsonl"
+    first = tmp_path / "runs/table1/math_tir/spo++-lr0-seed0/metrics.jsonl"  # the control runs first
     proc = subprocess.Popen(
         [sys.executable, str(EXAMPLES / args[0]), *args[1:]],
         cwd=tmp_path,
@@ -62,21 +64,30 @@ def test_reproduce_table1_pairs_spo_pp_with_spo_and_reports(tmp_path: Path) -> N
     assert proc.returncode == 0, stderr[-3000:]
     assert "interrupted in" in stdout and "run the same command to resume" in stdout
     assert not (tmp_path / "runs/table1/table1.json").exists()
-    assert not (tmp_path / "runs/table1/math_tir/spo++-seed1").exists()
+    assert not (tmp_path / "runs/table1/math_tir/spo++-seed0").exists()
     printed = run_example(*args, cwd=tmp_path)
     result = json.loads((tmp_path / "runs/table1/table1.json").read_text())
     row = result["table"]["math_tir"]
-    assert row["area_metric"] == "auc_mean" and row["delta_area"]["n"] == 2
+    assert row["area_metric"] == "auc_mean"
+    diff = row["differences"]["spo++ - grpo"]
+    assert diff["area"]["n"] == 2 and len(diff["last_evaluation_by_seed"]) == 2
     # the paired difference is the mean of the per-seed differences of the two algorithms' areas
-    diffs = [a - b for a, b in zip(row["spo++_area"]["values"], row["spo_area"]["values"], strict=True)]
-    assert row["delta_area"]["mean"] == pytest.approx(sum(diffs) / 2)
-    assert "| math_tir | auc_mean |" in printed
-    assert (tmp_path / "runs/table1/math_tir/report/report.md").is_file()
-    configs = [
-        json.loads((tmp_path / f"runs/table1/math_tir/{a}-seed0/config.json").read_text())
-        for a in ("spo++", "spo")
-    ]
-    assert {k for k in configs[0] if configs[0][k] != configs[1][k]} == {"algo", "out"}
+    areas = {a: row["algorithms"][a]["area"]["values"] for a in ("spo++", "grpo")}
+    diffs = [a - b for a, b in zip(areas["spo++"], areas["grpo"], strict=True)]
+    assert diff["area"]["mean"] == pytest.approx(sum(diffs) / 2)
+    interval = t_interval(diffs)  # over seeds: the seed is the unit of a comparison of algorithms
+    assert (diff["area"]["ci_low"], diff["area"]["ci_high"]) == pytest.approx((interval.low, interval.high))
+    # the control (lr 0) replays its start's held-out episodes exactly
+    control = row["control"]["held_out_gain"]
+    assert control["mean"] == control["ci_low"] == control["ci_high"] == 0.0 and control["tasks"] >= 2
+    assert "| math_tir | spo++ - grpo |" in printed and "spo++-lr0 (seed 0)" in printed
+    assert (tmp_path / "runs/table1/math_tir/report-grpo/report.md").is_file()
+    config = {
+        a: json.loads((tmp_path / f"runs/table1/math_tir/{a}-seed0/config.json").read_text())
+        for a in ("spo++", "spo++-lr0")
+    }
+    assert {k for k in config["spo++"] if config["spo++"][k] != config["spo++-lr0"][k]} == {"learner", "out"}
+    assert config["spo++-lr0"]["learner"]["lr"] == 0.0
 
 
 def test_reproduce_table1_paper_scale_dry_run_builds_table_3(tmp_path: Path) -> None:
@@ -86,16 +97,20 @@ def test_reproduce_table1_paper_scale_dry_run_builds_table_3(tmp_path: Path) -> 
         "paper",
         "--model",
         "/models/Qwen3.5-0.8B",
+        "--seeds",
+        "0",
+        "1",
+        "2",
         "--dry-run",
         cwd=tmp_path,
     )
     configs = json.loads(printed)
-    assert len(configs) == 2 * 3 * 2  # envs x seeds x algorithms
+    assert len(configs) == 2 * (3 * 3 + 1)  # envs x (seeds x algorithms + the lr-0 control)
     by_env = {c["env"]: c for c in configs if c["algo"] == "spo++"}
     assert by_env["alfworld"]["batch"] == by_env["math_tir"]["batch"] == 128
     assert by_env["alfworld"]["updates"] * 128 == 6400 and by_env["math_tir"]["updates"] * 128 == 25600
     assert by_env["alfworld"]["init"] == "base" and by_env["math_tir"]["init"] == "sft"
-    assert {c["learner"]["lr"] for c in configs} == {1e-6}
+    assert {c["learner"]["lr"] for c in configs} == {1e-6, 0.0}
     assert not (tmp_path / "runs").exists()  # nothing trained
 
 
