@@ -670,6 +670,18 @@ class HFBackend:
         table[[t for t in (*stop_ids, *ends) if 0 <= t < vocab]] = True
         return table.to(self.device), ends
 
+    def cache_stats(self) -> dict[str, int]:
+        """The prefix cache's counters since this backend started (the trainer logs them as ``generation/*``):
+        prompts that continued a kept sequence (``prefix_hits``) or ran whole (``prefix_misses``), the prompt
+        tokens the hits did not run again, and the bytes kept now."""
+        cache = self.prefix_cache
+        return {
+            "prefix_hits": cache.hits,
+            "prefix_misses": cache.misses,
+            "prefix_reused_tokens": cache.reused_tokens,
+            "prefix_kept_bytes": cache.bytes,
+        }
+
     def close(self) -> None:
         """Drop the model (frees its memory once no one else holds a reference); idempotent. Later calls
         raise ``RuntimeError``."""

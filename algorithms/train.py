@@ -476,6 +476,10 @@ class Trainer:
             **self._slot_utilization(),
         }
         row.update(self._ledger_row())
+        # HFBackend's prefix cache counters; other backends have none
+        stats = getattr(self.backend, "cache_stats", None)
+        if callable(stats):
+            row.update({f"generation/{k}": v for k, v in stats().items()})
         return row
 
     def _slot_utilization(self) -> dict[str, float]:

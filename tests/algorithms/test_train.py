@@ -205,6 +205,9 @@ def test_each_algorithm_trains_end_to_end(
         )
     # no policy step in between: the first update's importance ratio pi_old / pi_rollout is 1 on every token
     assert policy_rows[0]["learner/is_log_weight_abs"] < 1e-5
+    # the HF backend's prefix cache counts every prompt it ran, cumulatively
+    lookups = [r["generation/prefix_hits"] + r["generation/prefix_misses"] for r in rows]
+    assert lookups == sorted(lookups) and lookups[0] > 0
 
     # the policy moved -- which needs a non-zero advantage, so that is asserted first
     assert any(a != 0 for u in run.updates for a in u.advantages), "precondition: some advantage is non-zero"
