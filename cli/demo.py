@@ -62,6 +62,11 @@ class DemoConfig:
     """Learning rate (full fine-tuning: ``tiny`` has 2M parameters)."""
     mini_batches: int = 4
     """Optimizer steps per update."""
+    finetune: Literal["auto", "full", "lora"] = "auto"
+    """``"auto"`` (full fine-tuning: ``tiny`` is below the LoRA threshold), ``"full"`` or ``"lora"`` (a peft
+    adapter of ``lora_rank`` / ``lora_alpha`` on every linear layer; give it its own ``lr``)."""
+    lora_rank: int = 16
+    lora_alpha: int = 32
     offline_rollouts: int = 4
     """Rollouts per training task that initialize the prompt values (cached per checkpoint)."""
     eval_every: int = 10
@@ -115,7 +120,13 @@ class DemoConfig:
             eval_episodes=self.eval_episodes,
             threads=self.threads,
             seed=self.seed,
-            learner=LearnerConfig(lr=self.lr, mini_batches=self.mini_batches),
+            learner=LearnerConfig(
+                finetune=self.finetune,
+                lr=self.lr,
+                mini_batches=self.mini_batches,
+                lora_rank=self.lora_rank,
+                lora_alpha=self.lora_alpha,
+            ),
         )
 
 

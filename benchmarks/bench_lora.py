@@ -1,0 +1,142 @@
+"""Does SPO++ with a LoRA adapter learn on Math-TIR? The demo's run (``streamrl demo``) with LoRA instead of full
+fine-tuning, its settings chosen on training tasks and its result judged on the held-out test split.
+
+1. **select**: each candidate adapter (learning rate, rank, alpha) trains one run of the demo's config (seed
+   ``--select-seed``, ``--select-updates`` updates) whose held-out evaluation plays the *training* split's tasks
+   (``eval_split="train"``, each of its tasks in the SFT families once); the candidate with the largest paired
+   gain there (last evaluation against the first, on the same episodes) is chosen. The test split is not looked
+   at.
+2. **confirm**: the chosen candidate trains the demo's run (60 updates, the test split's 405 tasks of the SFT
+   families once per evaluation) for each of ``--seeds``; each run's paired gain has its 95 % interval clustered
+   by task. Beside it, the full-fine-tuning run of the same seed and config (``--full DIR``: ``DIR/spo++-seed<N>``,
+   e.g. ``examples/reproduce_table1.py --scale cpu``'s Math-TIR runs) when it exists.
+
+    python benchmarks/bench_lora.py --jobs 2 --full runs/table1/math_tir
+
+writes ``benchmarks/results/learning/lora_math_tir.json``. Runs resume from their directories (``--out``), so
+an interrupted benchmark continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from streamrl.algorithms.train import TrainConfig
+from streamrl.cli.demo import DemoConfig
+from streamrl.evaluation.compare import held_out_gain
+
+RESULTS = Path(__file__).resolve().parent / "results" / "learning"
+CANDIDATES = [  # (lr, rank, alpha): LoRA usually wants a larger step than full fine-tuning's 1e-4
+    (3e-4, 16, 32),
+    (1e-3, 16, 32),
+    (3e-3, 16, 32),
+    (1e-3, 64, 128),
+]
+TRAIN_TASKS = 271  # Math-TIR training tasks in the SFT families: each played once per selection evaluation
+
+_TRAIN = "import json, sys; from streamrl.algorithms.train import TrainConfig, train; " + (
+    "c = TrainConfig.from_dict(json.load(open(sys.argv[1]))); train(c, resume=(sys.argv[2] == '1'))"
+)
+
+
+def lora_config(out: Path, seed: int, lr: float, rank: int, alpha: int, **demo: Any) -> TrainConfig:
+    """The demo's run at ``seed`` with a LoRA adapter, one torch thread (two runs share a 2-core machine)."""
+    return DemoConfig(
+        out=out, seed=seed, threads=1, progress=False, finetune="lora", lr=lr, lora_rank=rank, lora_alpha=alpha,
+        **demo,
+    ).train_config()  # fmt: skip
+
+
+def run(config: TrainConfig) -> dict[str, Any]:
+    """Train ``config`` in a subprocess (resuming a run its directory holds) and return its held-out gain."""
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out.parent / f"{out.name}.config.json"
+    spec.write_text(json.dumps(config.to_dict()))
+    started = time.perf_counter()
+    resume = "1" if (out / "config.json").is_file() else "0"
+    done = subprocess.run([sys.executable, "-c", _TRAIN, str(spec), resume], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"run {out} failed:\n{done.stderr[-3000:]}")
+    return {
+        "run": str(out),
+        "wall_s": round(time.perf_counter() - started, 1),
+        "held_out_gain": held_out_gain(out),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/lora"))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--select-seed", type=int, default=100, help="a seed none of --seeds uses")
+    parser.add_argument("--select-updates", type=int, default=30)
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once (one torch thread each)")
+    parser.add_argument("--full", type=Path, help="directory of the full-fine-tuning runs spo++-seed<N>")
+    parser.add_argument("--result", type=Path, default=RESULTS / "lora_math_tir.json")
+    a = parser.parse_args(argv)
+    if a.select_seed in a.seeds:
+        parser.error(f"--select-seed {a.select_seed} is one of --seeds {a.seeds}: choose on another run")
+    started = time.perf_counter()
+    selection = [
+        lora_config(
+            a.out / f"select-lr{lr:g}-r{rank}-seed{a.select_seed}", a.select_seed, lr, rank, alpha,
+            updates=a.select_updates, eval_episodes=TRAIN_TASKS,
+        )
+        for lr, rank, alpha in CANDIDATES
+    ]  # fmt: skip
+    selection = [replace(c, eval_split="train") for c in selection]
+    with ThreadPoolExecutor(a.jobs) as pool:
+        selected = list(pool.map(run, selection))
+    for (lr, rank, alpha), r in zip(CANDIDATES, selected, strict=True):
+        r |= {"lr": lr, "rank": rank, "alpha": alpha}
+    best = max(selected, key=lambda r: r["held_out_gain"]["mean"] if r["held_out_gain"] else float("-inf"))
+    lr, rank, alpha = best["lr"], best["rank"], best["alpha"]
+    confirm = [lora_config(a.out / f"lora-seed{s}", s, lr, rank, alpha) for s in a.seeds]
+    with ThreadPoolExecutor(a.jobs) as pool:
+        confirmed = list(pool.map(run, confirm))
+    for seed, r in zip(a.seeds, confirmed, strict=True):
+        full = a.full / f"spo++-seed{seed}" if a.full else None
+        r |= {"seed": seed, "full_finetune": held_out_gain(full) if full and full.is_dir() else None}
+    result = {
+        "what": "SPO++ on Math-TIR, the demo's run with a LoRA adapter: candidates chosen on training tasks, the "
+        "chosen one on the test split per seed beside full fine-tuning of the same seed",
+        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        "selection": {
+            "seed": a.select_seed,
+            "updates": a.select_updates,
+            "eval_split": "train",
+            "runs": selected,
+        },
+        "chosen": {"lr": lr, "rank": rank, "alpha": alpha},
+        "runs": confirmed,
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    a.result.parent.mkdir(parents=True, exist_ok=True)
+    a.result.write_text(json.dumps(result, indent=2) + "\n")
+    for r in selected:
+        g = r["held_out_gain"]
+        print(
+            f"select lr {r['lr']:g} rank {r['rank']}: training-task gain {g['mean']:+.3f} [{g['ci_low']:+.3f}, {g['ci_high']:+.3f}]"
+        )
+    for r in confirmed:
+        g, f = r["held_out_gain"], r["full_finetune"]
+        full_text = (
+            ""
+            if f is None
+            else f"; full fine-tuning {f['mean']:+.3f} [{f['ci_low']:+.3f}, {f['ci_high']:+.3f}]"
+        )
+        print(f"seed {r['seed']}: LoRA {g['mean']:+.3f} [{g['ci_low']:+.3f}, {g['ci_high']:+.3f}]{full_text}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
