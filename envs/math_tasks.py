@@ -42,6 +42,7 @@ __all__ = [
     "MATH_SFT_FAMILIES",
     "PROCEDURAL_FAMILIES",
     "PROCEDURAL_TEST_SIZE",
+    "SFT_POOLS",
     "MathTask",
     "SolutionKind",
     "Source",
@@ -71,7 +72,7 @@ TRAIN_SIZE = 1500
 TEST_SIZE = 300
 """Test problems of ``gsm_symbolic`` (and of each source in ``mixed``); the first 300 of ``procedural``'s."""
 PROCEDURAL_TEST_SIZE = 3000
-"""Test problems of ``procedural``: about 200 per family (440 in ``MATH_SFT_FAMILIES``), so that a held-out
+"""Test problems of ``procedural``: about 200 per family (405 in ``MATH_SFT_FAMILIES``), so that a held-out
 evaluation has several hundred distinct tasks, the unit of its intervals. The first ``TEST_SIZE`` are the split
 as it was before it grew (same ids, same problems)."""
 MATH_SFT_FAMILIES: tuple[str, ...] = ("mod", "combin", "series")
