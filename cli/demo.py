@@ -66,7 +66,9 @@ class DemoConfig:
     """``"auto"`` (full fine-tuning: ``tiny`` is below the LoRA threshold), ``"full"`` or ``"lora"`` (a peft
     adapter of ``lora_rank`` / ``lora_alpha`` on every linear layer; give it its own ``lr``)."""
     lora_rank: int = 16
+    """``finetune="lora"``: the adapter's rank."""
     lora_alpha: int = 32
+    """``finetune="lora"``: the adapter's scale numerator (scale = alpha / rank)."""
     offline_rollouts: int = 4
     """Rollouts per training task that initialize the prompt values (cached per checkpoint)."""
     eval_every: int = 10
