@@ -1,20 +1,26 @@
-"""Reproduce SPO++ Table 1: SPO++ against SPO, matched seeds, on ALFWorld and Math-TIR.
+"""Reproduce SPO++ Table 1: SPO++ against SPO and GRPO, matched seeds, beside an lr-0 control, on ALFWorld and
+Math-TIR.
 
-For each env and seed it trains SPO++ and SPO with one config that differs only in the algorithm (each run
-resumes if its directory already holds it), then compares the matched runs as the paper does: the learning
-curve's area (ALFWorld: the normalized trapezoidal AUC, Eq. 7; Math-TIR: the step mean) and its end (mean of the
-last five points), each pair truncated to its common budget, reported as paired differences SPO++ − SPO
-(mean ± sample s.d. over seeds). The curve is the held-out evaluation (fixed tasks and episode seeds), not the
-training batches. ``streamrl compare`` writes each env's plots and report beside the table::
+For each env and seed it trains SPO++, SPO and GRPO (G = 8) with one config that differs only in the algorithm,
+and a control, SPO++ at learning rate 0, at the first seed (each run resumes if its directory already holds it).
+Then it compares the matched runs as the paper does: the learning curve's area (ALFWorld: the normalized
+trapezoidal AUC, Eq. 7; Math-TIR: the step mean) and its end (mean of the last five points), each pair truncated
+to its common budget, reported as paired differences SPO++ − baseline (mean ± sample s.d. over seeds, with the
+95 % t interval over seeds), beside each run's held-out gain and, per seed, the difference of the two runs' last
+evaluations on the same episodes (both clustered by task). The curve is the held-out evaluation (fixed tasks and
+episode seeds), not the training batches. ``streamrl compare`` writes each baseline's plots and report beside
+the table::
 
-    python examples/reproduce_table1.py --scale cpu                 # tiny, both envs, seeds 0 1 2 (~2 h on 2 cores)
+    python examples/reproduce_table1.py --scale cpu --envs math_tir   # the demo's run x 3 algorithms x 5 seeds + control
     python examples/reproduce_table1.py --scale paper --model /models/Qwen3.5-0.8B --dry-run
     python examples/reproduce_table1.py --scale tiny --envs math_tir  # a smoke run of the whole pipeline
 
 ``--scale paper`` is SPO++ Table 3 for a GPU box with the model on local disk (the configs ``--dry-run`` prints);
-``--scale cpu`` is what 2 CPU cores afford on ``tiny`` from its SFT checkpoints (its table and how to read it:
-docs/evaluation.md, "SPO++ Table 1 on CPU"); ``--envs`` splits it into one process per env. Ctrl-C stops the
-script after the current run checkpoints; the same command resumes it.
+``--scale cpu`` is what 2 CPU cores afford on ``tiny`` from its SFT checkpoints (on Math-TIR 16 runs of 7-10 min,
+about 80 min as two processes; its table and how to read it: docs/evaluation.md, "SPO++ Table 1 on CPU").
+``--envs``, ``--seeds``, ``--algos``, ``--no-control`` and ``--train-only`` split the runs into processes; the
+command without ``--train-only`` then builds the table from them. Ctrl-C stops the script after the current run
+checkpoints; the same command resumes it.
 """
 
 from __future__ import annotations
