@@ -32,7 +32,7 @@ from streamrl.agents.base import Agent, GenerationBackend, SamplingParams
 from streamrl.agents.llm_agent import ContextPolicy, LLMAgent
 from streamrl.agents.prompts import ALFWorldPrompt, MathTIRPrompt, PromptFormat
 from streamrl.agents.rollout import LockstepResult, play_lockstep
-from streamrl.envs.math_tasks import MATH_SFT_FAMILIES
+from streamrl.envs.math_tasks import MATH_SFT_FAMILIES, synthetic_procedural
 from streamrl.utils.modules import import_user_module
 
 
@@ -258,8 +258,6 @@ def _math_family_filter(env: Any) -> Callable[[str], bool]:
 def _math_synthetic_tasks(n: int, seed: int) -> dict[str, Any]:
     """``n`` fresh procedural problems of ``MATH_SFT_FAMILIES`` (a seed of their own), none of whose questions
     is in the held-out ``test`` split: cheap extra expert data, since copying numbers is learnt from variety."""
-    from streamrl.envs.math_tasks import synthetic_procedural
-
     return {"tasks": list(synthetic_procedural(n, seed))}
 
 
