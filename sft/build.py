@@ -47,7 +47,8 @@ def train_sft(
     """Behaviour cloning of ``sequences`` into ``model`` (in place); returns the loss of every step.
 
     With ``validate`` (model -> score, higher is better), it is called after every epoch and the model ends with
-    the weights of the best-scoring epoch (the earliest among ties)."""
+    the weights of the best-scoring epoch (the earliest among ties); with ``config.stop_above`` too, training
+    ends after the first epoch that scores at least that (the schedule stays the full run's)."""
     params = list(trainable_parameters(model))
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     # Batches of similar length waste less compute on padding: sort, chunk, then shuffle the chunks.
@@ -86,6 +87,9 @@ def train_sft(
                 best = (score, epoch + 1, {k: v.detach().clone() for k, v in model.state_dict().items()})
             message += f", validation {score:.3f} (best: epoch {best[1]})"
         log(f"{message} ({time.perf_counter() - started:.0f}s)")
+        if validate is not None and config.stop_above and best is not None and best[0] >= config.stop_above:
+            log(f"validation reached stop_above={config.stop_above}: stopping after epoch {epoch + 1}")
+            break
     if best is not None:
         model.load_state_dict(best[2])
     model.eval()

@@ -103,6 +103,11 @@ class SFTConfig:
     order can click."""
     restart_below: float = 0.0
     """The validation success (0-1) a training run must reach for no restart to follow (``restarts``)."""
+    stop_above: float = 0.0
+    """Early stopping at a target (needs ``select_best_of``): end training after the first epoch whose
+    validation reaches this success (0-1), keeping that epoch; 0 trains every epoch. The learning-rate schedule
+    stays the one of ``epochs``, so a stopped run is exactly the first epochs of the full run. For a start that
+    RL should still have room to improve (the demo's: docs/sft.md) rather than the strongest one."""
     threads: int = 1
     """torch threads while building the checkpoint (expert data, training, model selection); the build sets
     them and restores the caller's count after. Pinned because CPU float reductions split their work by thread
@@ -141,6 +146,17 @@ class SFTConfig:
             raise ValueError(
                 f"restarts={self.restarts} needs a validation to judge a run by: select_best_of > 0 and "
                 f"restart_below > 0 (got select_best_of={self.select_best_of}, restart_below={self.restart_below})"
+            )
+        if not 0.0 <= self.stop_above <= 1.0:
+            raise ValueError(f"stop_above must be a success rate in [0, 1], got {self.stop_above!r}")
+        if self.stop_above and not self.select_best_of:
+            raise ValueError(
+                f"stop_above={self.stop_above} needs a validation to stop on: select_best_of > 0 (got 0)"
+            )
+        if self.stop_above and self.restarts and self.restart_below > self.stop_above:
+            raise ValueError(
+                f"restart_below={self.restart_below} > stop_above={self.stop_above}: every run would stop below "
+                "the validation its restart asks for; use restart_below <= stop_above"
             )
         no_held_out = [n for n in self.envs if env_spec(n).held_out_tasks is None]
         if self.select_best_of and no_held_out:
@@ -230,6 +246,8 @@ class SFTConfig:
             del config["restarts"], config["restart_below"]  # so do those built before restarts
         if not config["expert_slips"]:
             del config["expert_slips"]  # and those built before slips
+        if not config["stop_above"]:
+            del config["stop_above"]  # and those built before early stopping
         blob = json.dumps(
             {
                 "config": config,

@@ -58,8 +58,9 @@ def test_preset_cache_keys_are_pinned() -> None:
     assert SFTConfig.alfworld().key() == "c3b551642be1"
     assert SFTConfig.math_tir(seed=1).key() == "f279cf049b6e"
     assert SFTConfig.math_tir(threads=2).key() == "469cdca2611e"  # 2 threads train other weights
-    # the demo's start, the preset until 2026-12-02 (3 epochs, no selection): the key its checkpoint has kept
-    assert SFTConfig.math_tir(**DEMO_COLD_START).key() == "732c15efd455"
+    # the demo's start: the preset's run stopped at the first epoch with validation >= .25 (epoch 3 at seed 0)
+    assert SFTConfig.math_tir(**DEMO_COLD_START).key() == "36ea415127a2"
+    assert SFTConfig.math_tir(epochs=3, select_best_of=0, restarts=0).key() == "732c15efd455"  # the one before
     # the preset has restarts: its first training run is a plain checkpoint of its own (restarts enter no key
     # when there are none), the seed-0 run of the 12-epoch schedule measured in docs/sft.md
     preset = SFTConfig.math_tir()
@@ -88,6 +89,40 @@ def test_model_selection_keeps_the_best_epoch(tokenizer) -> None:  # type: ignor
     assert all(torch.equal(final[k], snapshots[1][k]) for k in final)
     with pytest.raises(ValueError, match="select_best_of"):
         SFTConfig(envs=("alfworld",), select_best_of=8)  # ALFWorld has no held-out generated tasks
+
+
+def test_early_stopping_keeps_the_first_epoch_that_reaches_the_target(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    from streamrl.agents.models import load_model
+    from streamrl.sft import train_sft
+
+    seqs = sequences_of(expert_trajectories("math_tir", tokenizer, limit=4))
+
+    def run(stop_above: float) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor], list[float]]:
+        model = load_model(resolve_model("tiny"))
+        snapshots: list[dict[str, torch.Tensor]] = []
+        scores = iter([0.25, 0.5, 0.75, 0.125])
+
+        def validate(m: torch.nn.Module) -> float:
+            snapshots.append({k: v.clone() for k, v in m.state_dict().items()})
+            return next(scores)
+
+        config = SFTConfig(
+            envs=("math_tir",), epochs=4, batch_size=2, lr=5e-3, select_best_of=1, stop_above=stop_above
+        )
+        losses = train_sft(model, seqs, config, tokenizer.pad_token_id, log=lambda _: None, validate=validate)
+        return snapshots, model.state_dict(), losses
+
+    full, _, full_losses = run(0.0)
+    stopped, final, losses = run(0.5)
+    assert len(full) == 4 and len(stopped) == 2  # validation .5 at epoch 2 reached the target: no epoch 3
+    # a stopped run is the full run's first epochs exactly (the schedule is the full run's), ending at epoch 2
+    assert losses == full_losses[: len(losses)] and len(losses) == len(full_losses) // 2
+    assert all(torch.equal(final[k], full[1][k]) for k in final)
+    with pytest.raises(ValueError, match="stop_above=0.5 needs a validation"):
+        SFTConfig(envs=("math_tir",), stop_above=0.5)
+    with pytest.raises(ValueError, match="restart_below=0.4 > stop_above=0.3"):
+        SFTConfig.math_tir(stop_above=0.3)  # the preset restarts below .4
+    assert SFTConfig.math_tir(stop_above=0.0).key() == SFTConfig.math_tir().key()  # 0: the key of before
 
 
 def test_restarts_keep_the_first_attempt_that_validates_else_the_best(
