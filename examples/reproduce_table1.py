@@ -61,8 +61,8 @@ PAPER_LEARNER = LearnerConfig(finetune="full", lr=1e-6, weight_decay=0.1, mini_b
 PAPER_EVAL: dict[str, Any] = {"eval_every": 5, "eval_episodes": 200, "backend": "hf", "threads": 8}
 
 # What 2 CPU cores afford. Math-TIR: exactly the demo's run (``streamrl demo``: 60 updates of 64 from its SFT
-# start, lr 1e-4, the held-out curve every test task of the SFT families once, every 10 updates), one torch
-# thread, so two runs share the machine. ALFWorld: the first 32 training games, 25-step episodes, 2 offline
+# start at its learning rate, the held-out curve every test task of the SFT families once, every 10 updates), one
+# torch thread, so two runs share the machine. ALFWorld: the first 32 training games, 25-step episodes, 2 offline
 # rollouts per game, 3 updates of 16, the held-out curve 32 ``eval_seen`` episodes at updates 0 and 3 (a held-out
 # ALFWorld episode costs about 10 s).
 CPU: dict[str, dict[str, Any]] = {

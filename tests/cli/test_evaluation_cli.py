@@ -262,7 +262,7 @@ def test_demo_trains_evaluates_paired_and_reports(tmp_path: Path, capsys: pytest
 def test_the_demo_starts_from_a_shipped_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Both of the demo's starts (its own 3-epoch recipe, default, and Math-TIR's preset) resolve to checkpoints
+    """Both of the demo's starts (its own early-stopped recipe, default, and Math-TIR's preset) resolve to checkpoints
     shipped in the repository: a fresh machine copies them instead of training for minutes to an hour."""
     from streamrl.algorithms.train import initial_model_dir
     from streamrl.cli.demo import DemoConfig
@@ -282,7 +282,7 @@ def test_the_demo_starts_from_a_shipped_checkpoint(
     assert DemoConfig(init="base").train_config().sft == {}
     # `streamrl train` reaches the demo's start with the config file docs/training.md shows
     yaml = tmp_path / "run.yaml"
-    yaml.write_text("init: sft\nsft: {epochs: 3, select_best_of: 0, restarts: 0}\n")
+    yaml.write_text("init: sft\nsft: {stop_above: 0.25, restart_below: 0.25}\n")
     _, config = parse_train_args(["--config", str(yaml), "--out", str(tmp_path / "run")])
     assert initial_model_dir(config.model, config.init, config.env, sft=config.sft).name == starts[0]
 
