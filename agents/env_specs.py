@@ -66,6 +66,10 @@ class EnvSpec:
     eval_splits: tuple[str, ...] = ("train",)
     """Held-out splits, the first the trainer's default ``eval_split``. The default, the training split, suits an
     env with one task set; an env with splits names its held-out ones here (and sets ``split_keyword``)."""
+    validation_split: str | None = None
+    """A split of held-out *training* tasks (drawn like ``train_split``'s, none of them in it or in an eval split)
+    on which settings are chosen (``streamrl train --eval-split``, ``streamrl eval --splits``), so the eval splits
+    are looked at only for the final measurement; ``None``: the env has none."""
     split_keyword: str | None = None
     """The keyword of the env's constructor that selects a split (``"split"`` for streamrl's envs:
     ``gym.make(gym_id, split="test")``); ``None``: the env takes no split, every split plays its one task set,
@@ -126,9 +130,17 @@ class EnvSpec:
         ):
             raise ValueError(f"eval_splits must be a non-empty tuple of split names, got {eval_splits!r}")
         object.__setattr__(self, "eval_splits", tuple(eval_splits))
-        if self.split_keyword is None and set(self.eval_splits) != {self.train_split}:
+        if self.validation_split is not None and (
+            not isinstance(self.validation_split, str)
+            or self.validation_split in (self.train_split, *self.eval_splits)
+        ):
             raise ValueError(
-                f"eval_splits={self.eval_splits} name splits other than train_split={self.train_split!r}, but "
+                f"validation_split={self.validation_split!r} must be a split name apart from train_split="
+                f"{self.train_split!r} and eval_splits={self.eval_splits} (or None)"
+            )
+        if self.split_keyword is None and set(self.splits) != {self.train_split}:
+            raise ValueError(
+                f"splits {list(self.splits)} name splits other than train_split={self.train_split!r}, but "
                 "split_keyword is None: the env takes no split, so every split would play the same tasks. Set "
                 "split_keyword to the env constructor's keyword that selects a split (e.g. 'split'), or leave "
                 "the splits at their defaults"
@@ -142,8 +154,10 @@ class EnvSpec:
 
     @property
     def splits(self) -> tuple[str, ...]:
-        """Every split this spec names: the training split first, then the held-out ones."""
-        return tuple(dict.fromkeys((self.train_split, *self.eval_splits)))
+        """Every split this spec names: the training split first, then the held-out ones, then the validation
+        split (if any)."""
+        validation = () if self.validation_split is None else (self.validation_split,)
+        return tuple(dict.fromkeys((self.train_split, *self.eval_splits, *validation)))
 
     def make_kwargs(self, split: str, **overrides: Any) -> dict[str, Any]:
         """The ``gymnasium.make`` keyword arguments of this env on ``split``: the split (under ``split_keyword``,
@@ -271,6 +285,7 @@ ENV_SPECS: dict[str, EnvSpec] = {
         gym_id="streamrl/ALFWorld-v0",
         train_split="train",
         eval_splits=("eval_seen", "eval_unseen"),
+        validation_split="validation",
         split_keyword="split",
         # The expert (ALFWorldSearchAgent) decides from the task, the room description (both in the first
         # observation, which a window always keeps), the current observation and the admissible commands, so

@@ -162,6 +162,8 @@ class SideRollouts:
                 c.temperature,
                 self.sampling.max_new_tokens,
                 sorted(c.env_kwargs.items()),
+                # a constrained policy plays other episodes (unconstrained runs keep their earlier keys)
+                *([[c.constrain_actions, c.avoid_repeats]] if c.constrain_actions else []),
             ],
         )
         name = hashlib.sha256(key.encode()).hexdigest()[:20]

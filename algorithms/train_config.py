@@ -82,7 +82,9 @@ class TrainConfig(ActionConstraint, RolloutFields):
     eval_episodes: int = 64
     """Held-out episodes per evaluation: fixed tasks, drawn uniformly once per run."""
     eval_split: str | None = None
-    """Held-out split; ``None`` = the env's first evaluation split."""
+    """Held-out split; ``None`` = the env's first evaluation split. Choose settings on the env's
+    ``validation_split`` (ALFWorld: ``"validation"``, held-out training games) and keep the eval splits for the
+    final measurement."""
     eval_temperature: float = 1.0
     """Sampling temperature of the evaluation (0 = greedy)."""
     checkpoint_every: int = 10
@@ -184,6 +186,8 @@ class TrainConfig(ActionConstraint, RolloutFields):
             spec = env_spec(c.env)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
+        if c.eval_split is not None and c.eval_split not in spec.splits:
+            raise ConfigError(f"unknown eval_split {c.eval_split!r} of env {c.env!r}; valid: {list(spec.splits)}")
         if c.backend not in ("hf", "vllm"):
             raise ConfigError(f"unknown backend {c.backend!r}; valid: 'hf', 'vllm'")
         if c.init not in ("sft", "base"):

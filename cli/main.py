@@ -181,7 +181,7 @@ class ALFWorldGenerateOptions:
     the real TextWorld engine, each game with a walkthrough verified to win)."""
 
     split: tuple[str, ...] = ()
-    """Splits to generate (train, eval_seen, eval_unseen); empty: all three."""
+    """Splits to generate (train, eval_seen, eval_unseen, validation); empty: all four."""
 
 
 def _alfworld_generate(argv: Sequence[str]) -> int:

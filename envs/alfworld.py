@@ -51,7 +51,7 @@ __all__ = [
 TEXT_CHARSET: str = string.ascii_letters + string.digits + string.punctuation + " \n\t"
 MAX_TEXT_LENGTH = 16384
 # Our split names -> the folders of the official data (json_2.1.1/<folder>).
-OFFICIAL_SPLITS: dict[Split, str] = {
+OFFICIAL_SPLITS: dict[Split, str] = {  # ``validation`` is ours only
     "train": "train",
     "eval_seen": "valid_seen",
     "eval_unseen": "valid_unseen",
@@ -115,6 +115,11 @@ def release_engine(engine: AlfredEngine) -> None:
 def _find_official_games(data_path: str, split: Split) -> tuple[Path, list[Path]]:
     """The split folder and game files of an official ALFWorld split, filtered as
     ``AlfredTWEnv.collect_game_files`` does (no movable-receptacle or sliced tasks, only solvable games)."""
+    if split not in OFFICIAL_SPLITS:
+        raise ValueError(
+            f"split {split!r} is generated only; the official ALFWorld data has {sorted(OFFICIAL_SPLITS)} "
+            "(pass one of them with data_path, or drop data_path to play the generated games)"
+        )
     root = Path(os.path.expandvars(data_path)).expanduser()
     folder = OFFICIAL_SPLITS[split]
     candidates = [root / folder, root / "json_2.1.1" / folder]
@@ -145,7 +150,8 @@ class ALFWorldEnv(TextEnv):
     """ALFWorld text env (standard ALFWorld 0.4 text) on the real TextWorld engine.
 
     Args:
-        split: ``"train"`` (128 tasks), ``"eval_seen"`` or ``"eval_unseen"`` (see ``alfworld_gen``).
+        split: ``"train"`` (128 tasks), ``"eval_seen"``, ``"eval_unseen"`` or ``"validation"`` (held-out training
+            games for choosing settings; see ``alfworld_gen``).
         game_files: play these ``game.tw-pddl`` files instead of a split.
         data_path: play the official ALFWorld data instead: a folder holding ``json_2.1.1/`` (or the
             ``json_2.1.1`` folder itself); ``"$ALFWORLD_DATA"`` is expanded. ``split`` picks

@@ -17,13 +17,16 @@ so a larger split extends a smaller one):
 
 * ``train`` - 128 tasks (the SPO++ paper's training-set size) in ALFRED's training floor plans;
 * ``eval_seen`` - 64 other tasks in the same floor plans (ALFWorld's ``valid_seen``);
-* ``eval_unseen`` - 64 tasks in ALFRED's held-out test floor plans (ALFWorld's ``valid_unseen``).
+* ``eval_unseen`` - 64 tasks in ALFRED's held-out test floor plans (ALFWorld's ``valid_unseen``);
+* ``validation`` - 128 more tasks in the training floor plans, drawn like ``train`` but apart from it: the
+  held-out training games on which settings (a learning rate, a recipe) are chosen, so that ``eval_seen`` and
+  ``eval_unseen`` are never looked at before the final measurement. ALFWorld has no such split.
 
 ALFWorld's two eval splits are nearly equal (140 seen / 134 unseen), so ours are equal too; 64 each is
 the size at which a success rate has a standard error <= 6.3 points, while generating and verifying
 all 256 games stays within a few CPU minutes. Sizes are configurable (``GenerationConfig``).
 
-Command line: ``streamrl alfworld-generate [--split train eval_seen eval_unseen] [--cache-dir D]``.
+Command line: ``streamrl alfworld-generate [--split train eval_seen eval_unseen validation] [--cache-dir D]``.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ TaskType = Literal[
     "pick_two_obj_and_place",
 ]
 TASK_TYPES: tuple[TaskType, ...] = get_args(TaskType)
-Split = Literal["train", "eval_seen", "eval_unseen"]
+Split = Literal["train", "eval_seen", "eval_unseen", "validation"]
 SPLITS: tuple[Split, ...] = get_args(Split)
 
 _DATA = resources.files("alfworld") / "data"
@@ -130,6 +133,7 @@ class GenerationConfig:
         train: number of training tasks (default 128, the SPO++ paper's training set).
         eval_seen: tasks in training floor plans (default 64; ALFWorld's valid_seen has 140).
         eval_unseen: tasks in held-out floor plans (default 64; ALFWorld's valid_unseen has 134).
+        validation: held-out training tasks, in the training floor plans (default 128), for choosing settings.
         cache_dir: folder holding one sub-folder per generator version; ``None`` means
             ``$STREAMRL_CACHE/alfworld`` (``~/.cache/streamrl/alfworld`` when ``STREAMRL_CACHE`` is unset).
         workers: processes used to generate missing games (``None`` = ``os.cpu_count()``, capped by the
@@ -139,6 +143,7 @@ class GenerationConfig:
     train: int = 128
     eval_seen: int = 64
     eval_unseen: int = 64
+    validation: int = 128
     cache_dir: str | None = None
     workers: int | None = None
 
@@ -199,8 +204,9 @@ def _receptacle_id(rtype: str, i: int) -> str:
 
 
 def floor_plans(split: Split, task_type: TaskType) -> list[int]:
-    """Floor plans a task of ``task_type`` may use in ``split``: ALFRED's training scenes for ``train``
-    and ``eval_seen``, its held-out test scenes for ``eval_unseen``; room types from ``GOALS_VALID``."""
+    """Floor plans a task of ``task_type`` may use in ``split``: ALFRED's training scenes for ``train``,
+    ``eval_seen`` and ``validation``, its held-out test scenes for ``eval_unseen``; room types from
+    ``GOALS_VALID``."""
     _check_split(split)
     scenes = C.TEST_SCENE_NUMBERS if split == "eval_unseen" else C.TRAIN_SCENE_NUMBERS
     rooms = sorted(C.GOALS_VALID[task_type])

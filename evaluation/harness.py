@@ -407,7 +407,7 @@ def run_evaluation(config: EvalConfig, log: Callable[[str], None] | None = None)
     specs = [AgentSpec.parse(config.agent)] + ([AgentSpec.parse(config.vs)] if config.vs else [])
     env, env_kwargs, max_new = _resolve_setting(config, specs)
     spec = env_spec(env)
-    valid_splits = (spec.train_split, *spec.eval_splits)
+    valid_splits = spec.splits
     splits = config.splits or spec.eval_splits
     unknown = [s for s in splits if s not in valid_splits]
     if unknown:
