@@ -187,7 +187,9 @@ class TrainConfig(ActionConstraint, RolloutFields):
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         if c.eval_split is not None and c.eval_split not in spec.splits:
-            raise ConfigError(f"unknown eval_split {c.eval_split!r} of env {c.env!r}; valid: {list(spec.splits)}")
+            raise ConfigError(
+                f"unknown eval_split {c.eval_split!r} of env {c.env!r}; valid: {list(spec.splits)}"
+            )
         if c.backend not in ("hf", "vllm"):
             raise ConfigError(f"unknown backend {c.backend!r}; valid: 'hf', 'vllm'")
         if c.init not in ("sft", "base"):
