@@ -40,6 +40,28 @@ PLACEMENT = (
 """TrainConfig fields that say where the work runs, not what is trained: a run may resume elsewhere."""
 
 
+TRAIN_PRESETS: dict[str, dict[str, Any]] = {
+    # Chosen on ALFWorld's validation games (held-out training games), never on eval_seen / eval_unseen:
+    # docs/training.md, "An ALFWorld recipe". Each update trains 16 whole episodes of up to 50 turns; every
+    # action is one of the admissible commands, none twice from one state (the cold start's selected policy).
+    "alfworld": {
+        "constrain_actions": True,
+        "avoid_repeats": True,
+        "updates": 60,
+        "batch": 16,
+        "num_envs": 16,
+        "offline_rollouts": 2,
+        "eval_split": "validation",
+        "eval_episodes": 128,
+        "eval_every": 60,
+        "learner": {"lr": 1e-3, "mini_batches": 2},
+    },
+}
+"""Per-env ``TrainConfig`` fields (``LearnerConfig`` fields under ``"learner"``) that ``streamrl train --env ENV``
+and ``TrainConfig.for_env`` start from, below a ``--config`` file and flags. An env without one starts from
+the field defaults (Math-TIR: the demo's run is ``streamrl demo``)."""
+
+
 @dataclass(frozen=True)
 class TrainConfig(ActionConstraint, RolloutFields):
     """Everything a training run needs; saved as the run's ``config.json`` (resume checks it). The rollout fields
@@ -142,6 +164,12 @@ class TrainConfig(ActionConstraint, RolloutFields):
     algorithm: Mapping[str, Any] = field(default_factory=dict)
     """Overrides of the algorithm's config fields (e.g. ``{"dual_clip_c": 3.0, "publish_every": 1}``), laid
     over the algorithm's preset for ``env`` (SPO++ publishes every update on ALFWorld, every two on Math-TIR)."""
+
+    @classmethod
+    def for_env(cls, env: str, **overrides: Any) -> TrainConfig:
+        """The config of env ``env``'s preset (``TRAIN_PRESETS``; the field defaults for an env without one) with
+        ``overrides`` (``learner`` may be a mapping of ``LearnerConfig`` fields, laid over the preset's)."""
+        return cls.from_dict(preset_values(env, overrides))
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -336,6 +364,17 @@ class TrainConfig(ActionConstraint, RolloutFields):
             require_ray()
         except ImportError as exc:
             raise ConfigError(f"cluster='ray' needs Ray: {exc}") from exc
+
+
+def preset_values(env: str, values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` (``TrainConfig.to_dict`` keys) laid over env ``env``'s preset (``TRAIN_PRESETS``), with ``env``
+    set. A ``learner`` mapping merges into the preset's field by field; a ``LearnerConfig`` replaces it."""
+    preset = TRAIN_PRESETS.get(env, {})
+    merged = {**preset, **values, "env": env}
+    learner = values.get("learner") or {}
+    if not isinstance(learner, LearnerConfig):
+        merged["learner"] = {**preset.get("learner", {}), **learner}
+    return merged
 
 
 class ConfigError(ValueError):

@@ -225,11 +225,12 @@ _TRAIN_NO_FLAG = ("learner", "algorithm", "env_kwargs", "sft")
 
 
 def parse_train_args(argv: Sequence[str]) -> tuple[TrainRunOptions, Any]:
-    """``streamrl train``'s options and the ``TrainConfig``: defaults < ``--config`` YAML (or the resumed
-    run's config) < flags. The algorithm's own fields (those of ``--algo``'s config class) are flags too."""
+    """``streamrl train``'s options and the ``TrainConfig``: defaults < the env's preset (``TRAIN_PRESETS``) <
+    ``--config`` YAML < flags; a resumed run: its saved config < flags. The algorithm's own fields (those of ``--algo``'s config class) are flags too."""
     from streamrl.algorithms.base import algorithm_class
     from streamrl.algorithms.learner import LearnerConfig
     from streamrl.algorithms.train import TrainConfig
+    from streamrl.algorithms.train_config import preset_values
     from streamrl.cli.args import load_config_file
 
     pre = argparse.ArgumentParser(add_help=False)
@@ -253,11 +254,18 @@ def parse_train_args(argv: Sequence[str]) -> tuple[TrainRunOptions, Any]:
 
     parser = _parser("train", TrainRunOptions.__doc__)
     add_dataclass_arguments(parser.add_argument_group("run"), TrainRunOptions)
+    preset_help = "default: {default}, unless the env's preset (TRAIN_PRESETS) sets it"
     add_dataclass_arguments(
-        parser.add_argument_group("training (TrainConfig)"), TrainConfig, exclude=_TRAIN_NO_FLAG
+        parser.add_argument_group("training (TrainConfig)"),
+        TrainConfig,
+        exclude=_TRAIN_NO_FLAG,
+        default_help=preset_help,
     )
     add_dataclass_arguments(
-        parser.add_argument_group("learner (LearnerConfig)"), LearnerConfig, exclude=("lora_target_modules",)
+        parser.add_argument_group("learner (LearnerConfig)"),
+        LearnerConfig,
+        exclude=("lora_target_modules",),
+        default_help=preset_help,
     )
     add_dataclass_arguments(
         parser.add_argument_group(f"algorithm ({algo_cls.config_class.__name__} of --algo {algo})"),
@@ -269,6 +277,10 @@ def parse_train_args(argv: Sequence[str]) -> tuple[TrainRunOptions, Any]:
     try:
         values = dict(base)
         values.update(given_arguments(TrainConfig, args))
+        if (
+            known.resume is None
+        ):  # a resumed run's saved config is whole; a new one starts from its env's preset
+            values = preset_values(values.get("env", TrainConfig.env), values)
         learner = dict(values.get("learner") or {})
         learner.update(given_arguments(LearnerConfig, args))
         values["learner"] = dataclass_from_dict(LearnerConfig, learner, "learner")

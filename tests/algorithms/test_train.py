@@ -1027,11 +1027,44 @@ BAD = [
         {"dispatch": "sized"}, "dispatch must be 'fill' or 'trainable', got 'sized'", id="dispatch-unknown"
     ),
     pytest.param(
+        {"env": "alfworld", "eval_split": "valid_seen"},
+        "unknown eval_split 'valid_seen' of env 'alfworld'; valid: \\['train', 'eval_seen', 'eval_unseen', "
+        "'validation'\\]",
+        id="eval-split",
+    ),
+    pytest.param(
         {"env_kwargs": {"max_stepz": 3}},
         "env_kwargs=\\{'max_stepz': 3\\} do not fit the math_tir env",
         id="env-kwargs",
     ),
 ]
+
+
+def test_offline_values_of_a_constrained_policy_are_cached_apart(tmp_path: Path) -> None:
+    """The offline values' cache key holds the action constraint: a constrained policy (with or without repeats)
+    plays other episodes than the free one, so a run never starts from another policy's prompt values."""
+    from streamrl.agents.env_specs import env_spec
+    from streamrl.algorithms.run_dir import RunDir
+    from streamrl.algorithms.side_rollouts import SideRollouts
+
+    paths = set()
+    for constrain, avoid in ((False, False), (True, False), (True, True)):
+        config = TrainConfig(
+            out=str(tmp_path), env="alfworld", constrain_actions=constrain, avoid_repeats=avoid
+        )
+        side = SideRollouts(
+            config,
+            env_spec("alfworld"),
+            backend=None,  # type: ignore[arg-type]  # the key needs no backend
+            sampling=SamplingParams(max_new_tokens=24),
+            tokenizer=None,
+            files=RunDir(tmp_path),
+            progress=False,
+        )
+        paths.add(
+            side.offline_cache_path(resolve_model("tiny"), ["alfworld/train/0000", "alfworld/train/0001"])
+        )
+    assert len(paths) == 3
 
 
 @pytest.mark.parametrize(("overrides", "message"), BAD)

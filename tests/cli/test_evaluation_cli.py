@@ -287,6 +287,39 @@ def test_the_demo_starts_from_a_shipped_checkpoint(
     assert initial_model_dir(config.model, config.init, config.env, sft=config.sft).name == starts[0]
 
 
+def test_train_starts_from_the_envs_preset_below_the_config_file_and_flags(tmp_path: Path) -> None:
+    """`streamrl train --env alfworld` is ALFWorld's preset (TRAIN_PRESETS); a config file and flags override it
+    field by field (learner fields too); Math-TIR, without a preset, keeps the field defaults; a resumed run
+    keeps its saved config."""
+    from streamrl.algorithms.train_config import TRAIN_PRESETS, TrainConfig
+    from streamrl.cli.main import parse_train_args
+
+    preset = TRAIN_PRESETS["alfworld"]
+    out = str(tmp_path / "run")
+    _, config = parse_train_args(["--env", "alfworld", "--out", out])
+    assert config == TrainConfig.for_env("alfworld", out=out)
+    assert config.constrain_actions and config.avoid_repeats and config.eval_split == "validation"
+    assert (config.batch, config.learner.lr, config.learner.mini_batches) == (
+        preset["batch"],
+        preset["learner"]["lr"],
+        preset["learner"]["mini_batches"],
+    )
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text("env: alfworld\nbatch: 32\nlearner: {lr: 0.002}\n")
+    _, config = parse_train_args(
+        ["--config", str(yaml), "--out", out, "--updates", "5", "--mini-batches", "4"]
+    )
+    assert (config.batch, config.updates, config.learner.lr, config.learner.mini_batches) == (32, 5, 0.002, 4)
+    assert config.constrain_actions and config.num_envs == preset["num_envs"]
+    _, config = parse_train_args(["--out", out])
+    assert config == TrainConfig(out=out)  # math_tir: no preset
+    saved = TrainConfig.for_env("alfworld", out=out, batch=8, constrain_actions=False)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(json.dumps(saved.to_dict()))
+    _, config = parse_train_args(["--resume", out])
+    assert config == saved
+
+
 def test_paired_gain_is_the_mean_of_per_episode_differences_clustered_by_task() -> None:
     from streamrl.evaluation.compare import paired_gain, paired_gain_by_episode
 

@@ -73,7 +73,12 @@ def test_generation_is_byte_identical_across_processes_and_hash_seeds(
 
 
 def test_splits_sizes_task_types_and_floor_plans(split_files: dict[str, list[Path]]) -> None:
-    assert {s: len(p) for s, p in split_files.items()} == {"train": 128, "eval_seen": 64, "eval_unseen": 64}
+    assert {s: len(p) for s, p in split_files.items()} == {
+        "train": 128,
+        "eval_seen": 64,
+        "eval_unseen": 64,
+        "validation": 128,
+    }
     problems: dict[str, set[str]] = {}
     for split, paths in split_files.items():
         problems[split] = set()
@@ -93,7 +98,9 @@ def test_splits_sizes_task_types_and_floor_plans(split_files: dict[str, list[Pat
             assert traj["turk_annotations"]["anns"][0]["task_desc"] in game["grammar"]
             problems[split].add(game["pddl_problem"])
         assert len(problems[split]) == len(paths)  # no duplicate games within a split
-    assert not problems["train"] & problems["eval_seen"]  # seen floor plans, but different games
+    # the training floor plans host train, eval_seen and validation: three sets of different games
+    assert not problems["train"] & problems["eval_seen"]
+    assert not problems["validation"] & (problems["train"] | problems["eval_seen"])
 
 
 def _play_all(paths: list[str]) -> list[tuple[str, bool, int, int, bool]]:
@@ -115,14 +122,14 @@ def _play_all(paths: list[str]) -> list[tuple[str, bool, int, int, bool]]:
 
 @pytest.mark.slow
 def test_every_game_is_won_by_its_walkthrough(split_files: dict[str, list[Path]]) -> None:
-    """Acceptance: all 256 games of the three splits are won by the expert replaying the stored walkthrough,
+    """Acceptance: all 384 games of the four splits are won by the expert replaying the stored walkthrough,
     exactly on its last command, every command admissible. Processes, not threads (the engine is not
     thread-safe)."""
     paths = [str(p) for split in gen.SPLITS for p in split_files[split]]
     chunks = [paths[k::2] for k in range(2)]
     with ProcessPoolExecutor(2, mp_context=get_context("spawn")) as pool:
         results = [r for chunk in pool.map(_play_all, chunks) for r in chunk]
-    assert len(results) == 256
+    assert len(results) == 384
     failures = [r for r in results if not (r[1] and r[2] == r[3] and not r[4])]
     assert not failures, failures
     lengths = {t: [r[2] for r in results if t in r[0]] for t in gen.TASK_TYPES}
@@ -236,3 +243,9 @@ def test_bad_arguments_are_explained() -> None:
         gen.ensure_split("test")
     with pytest.raises(ValueError, match="malformed ALFWorld task id 'alfworld/dev/1'"):
         gen.parse_task_id("alfworld/dev/1")
+    from streamrl.envs.alfworld import ALFWorldEnv
+
+    with pytest.raises(
+        ValueError, match="split 'validation' is generated only; the official ALFWorld data has"
+    ):
+        ALFWorldEnv("validation", data_path="/nonexistent")
