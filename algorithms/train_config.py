@@ -54,7 +54,7 @@ TRAIN_PRESETS: dict[str, dict[str, Any]] = {
         "eval_split": "validation",
         "eval_episodes": 128,
         "eval_every": 60,
-        "learner": {"lr": 1e-3, "mini_batches": 2},
+        "learner": {"lr": 3e-3, "mini_batches": 2},
     },
 }
 """Per-env ``TrainConfig`` fields (``LearnerConfig`` fields under ``"learner"``) that ``streamrl train --env ENV``
