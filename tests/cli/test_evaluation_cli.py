@@ -350,7 +350,8 @@ def test_alfworld_generate_into_the_given_cache(tmp_path: Path, capsys: pytest.C
     with pytest.raises(SystemExit):
         main(["alfworld-generate", "--split", "valid"])
     assert (
-        "unknown split(s) ['valid']; valid: ['train', 'eval_seen', 'eval_unseen']" in capsys.readouterr().err
+        "unknown split(s) ['valid']; valid: ['train', 'eval_seen', 'eval_unseen', 'validation']"
+        in capsys.readouterr().err
     )
 
 
