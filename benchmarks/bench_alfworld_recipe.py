@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from bench_lora import train_in_subprocess
 from streamrl.algorithms.run_dir import RunDir
 from streamrl.algorithms.train import TrainConfig
 from streamrl.evaluation.compare import held_out_gain, paired_gain
@@ -35,10 +36,6 @@ from streamrl.evaluation.compare import held_out_gain, paired_gain
 RESULTS = Path(__file__).resolve().parent / "results" / "learning"
 CANDIDATES = (1e-3, 3e-3)  # 1e-4 barely moved the policy on 32 games (docs/training.md); 1e-3 moved it
 SPLITS = ("eval_seen", "eval_unseen")
-
-_TRAIN = "import json, sys; from streamrl.algorithms.train import TrainConfig, train; " + (
-    "c = TrainConfig.from_dict(json.load(open(sys.argv[1]))); train(c, resume=(sys.argv[2] == '1'))"
-)
 
 
 def preset_run(out: Path, seed: int, lr: float, threads: int) -> TrainConfig:
@@ -49,28 +46,17 @@ def preset_run(out: Path, seed: int, lr: float, threads: int) -> TrainConfig:
 def train(config: TrainConfig) -> dict[str, Any]:
     """Train ``config`` in a subprocess (resuming the run its directory holds; none when that run has finished)
     and return its validation gain and metrics."""
-    out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    spec = out.parent / f"{out.name}.config.json"
-    spec.write_text(json.dumps(config.to_dict()))
-    started = time.perf_counter()
-    files = RunDir(out)
+    files = RunDir(config.out)
     finished = files.is_run() and any(r["update"] >= config.updates for r in files.read_metrics())
-    if not finished:
-        resume = "1" if files.is_run() else "0"
-        done = subprocess.run(
-            [sys.executable, "-c", _TRAIN, str(spec), resume], capture_output=True, text=True
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"run {out} failed:\n{done.stderr[-3000:]}")
+    wall = 0.0 if finished else train_in_subprocess(config)
     rows = [r for r in files.read_metrics() if "batch/success" in r]
     return {
-        "run": str(out),
+        "run": config.out,
         "lr": config.learner.lr,
         "seed": config.seed,
-        "wall_s_this_call": round(time.perf_counter() - started, 1),
+        "wall_s_this_call": round(wall, 1),
         "elapsed_s": rows[-1]["time/elapsed_s"] if rows else None,
-        "validation_gain": held_out_gain(out),
+        "validation_gain": held_out_gain(config.out),
         "batch_success": [r["batch/success"] for r in rows],
         "approx_kl_mean": sum(r["learner/approx_kl"] for r in rows) / max(len(rows), 1),
     }
