@@ -226,7 +226,8 @@ _TRAIN_NO_FLAG = ("learner", "algorithm", "env_kwargs", "sft")
 
 def parse_train_args(argv: Sequence[str]) -> tuple[TrainRunOptions, Any]:
     """``streamrl train``'s options and the ``TrainConfig``: defaults < the env's preset (``TRAIN_PRESETS``) <
-    ``--config`` YAML < flags; a resumed run: its saved config < flags. The algorithm's own fields (those of ``--algo``'s config class) are flags too."""
+    ``--config`` YAML < flags; a resumed run: its saved config < flags. The algorithm's own fields (those of
+    ``--algo``'s config class) are flags too."""
     from streamrl.algorithms.base import algorithm_class
     from streamrl.algorithms.learner import LearnerConfig
     from streamrl.algorithms.train import TrainConfig
@@ -277,9 +278,8 @@ def parse_train_args(argv: Sequence[str]) -> tuple[TrainRunOptions, Any]:
     try:
         values = dict(base)
         values.update(given_arguments(TrainConfig, args))
-        if (
-            known.resume is None
-        ):  # a resumed run's saved config is whole; a new one starts from its env's preset
+        # a new run starts from its env's preset; a resumed run's saved config is whole
+        if known.resume is None:
             values = preset_values(values.get("env", TrainConfig.env), values)
         learner = dict(values.get("learner") or {})
         learner.update(given_arguments(LearnerConfig, args))
