@@ -75,8 +75,8 @@ def test_generation_is_byte_identical_across_processes_and_hash_seeds(
 def test_splits_sizes_task_types_and_floor_plans(split_files: dict[str, list[Path]]) -> None:
     assert {s: len(p) for s, p in split_files.items()} == {
         "train": 128,
-        "eval_seen": 64,
-        "eval_unseen": 64,
+        "eval_seen": 140,
+        "eval_unseen": 134,
         "validation": 128,
     }
     problems: dict[str, set[str]] = {}
@@ -122,14 +122,14 @@ def _play_all(paths: list[str]) -> list[tuple[str, bool, int, int, bool]]:
 
 @pytest.mark.slow
 def test_every_game_is_won_by_its_walkthrough(split_files: dict[str, list[Path]]) -> None:
-    """Acceptance: all 384 games of the four splits are won by the expert replaying the stored walkthrough,
+    """Acceptance: all 530 games of the four splits are won by the expert replaying the stored walkthrough,
     exactly on its last command, every command admissible. Processes, not threads (the engine is not
     thread-safe)."""
     paths = [str(p) for split in gen.SPLITS for p in split_files[split]]
     chunks = [paths[k::2] for k in range(2)]
     with ProcessPoolExecutor(2, mp_context=get_context("spawn")) as pool:
         results = [r for chunk in pool.map(_play_all, chunks) for r in chunk]
-    assert len(results) == 384
+    assert len(results) == 530
     failures = [r for r in results if not (r[1] and r[2] == r[3] and not r[4])]
     assert not failures, failures
     lengths = {t: [r[2] for r in results if t in r[0]] for t in gen.TASK_TYPES}
@@ -229,7 +229,7 @@ def test_alfworlds_own_env_reads_the_generated_games(split_files: dict[str, list
         "rl": {"training": {"max_nb_steps_per_episode": 50}},
     }
     tw_env = get_environment("AlfredTWEnv")(config, train_eval="train")
-    assert tw_env.num_games == 64
+    assert tw_env.num_games == len(split_files["eval_unseen"]) == 134
     env = tw_env.init_env(batch_size=1)
     obs, infos = env.reset()
     assert "Your task is to:" in obs[0] and infos["admissible_commands"][0]
