@@ -14,12 +14,14 @@ What it does for an update (``Learner.update``):
    the whole step's action mask (``Algorithm.aggregation``: batch-global token count, so micro-batch losses
    sum to the full-batch loss and SPO++'s zero-mean token measure holds across micro-batches), runs
    length-sorted micro-batches of at most ``micro_batch_tokens`` padded tokens (split further where a longer
-   row would pad the others by more than ``PASS_TOKENS``) with gradient accumulation, clips the gradient
-   norm, steps AdamW and the warm-up + cosine schedule.
+   row would pad the others by more than ``PASS_TOKENS``; the rows of a windowed episode that share a long
+   opening in micro-batches of their own, ``prefix_grouped_chunks``) with gradient accumulation, clips the
+   gradient norm, steps AdamW and the warm-up + cosine schedule.
 
-Every forward computes the micro-batch's common prefix (the system prompt) once and the logits only at action
-tokens, and skips the last layer's MLP elsewhere (``selected_token_logprobs(skip_unread=True,
-share_prefix=True)``): the same log-probs and gradients up to float rounding, for less arithmetic.
+Every forward computes the micro-batch's common prefix (the system prompt; a windowed episode's system prompt,
+task and first observation) once and the logits only at action tokens, and skips the last layer's MLP elsewhere
+(``selected_token_logprobs(skip_unread=True, share_prefix=True)``): the same log-probs and gradients up to
+float rounding, for less arithmetic.
 
 Data-parallel ranks (``streamrl.algorithms.distributed``): ``shard_batch`` deals the batch to R ranks and each
 rank runs ``update_shard`` on its shard. The ranks gather every step's row lengths, so the loss aggregation
@@ -188,6 +190,46 @@ def length_sorted_chunks(
     return chunks
 
 
+def common_prefix_length(sequences: Sequence[Sequence[int]]) -> int:
+    """How many leading token ids all ``sequences`` have in common."""
+    shortest = min(len(s) for s in sequences)
+    first = sequences[0]
+    for n in range(shortest):
+        token = first[n]
+        if any(s[n] != token for s in sequences[1:]):
+            return n
+    return shortest
+
+
+def prefix_grouped_chunks(
+    rows: Sequence[TrainingRow], max_tokens: int, pass_tokens: int = PASS_TOKENS
+) -> list[list[int]]:
+    """The learner's micro-batches: ``length_sorted_chunks``, with the rows of an episode kept apart where they
+    share a long prefix.
+
+    An episode played with a windowed context has a row per turn, and every one of them opens with the episode's
+    system prompt, task and first observation. A forward with ``share_prefix`` computes a micro-batch's common
+    prefix once, so a micro-batch of one such episode's rows computes that prefix once instead of once per row;
+    mixed with other episodes' rows (sorted by length) it would share the system prompt only. An episode whose
+    rows save at least ``pass_tokens`` tokens that way ((rows - 1) x their common prefix: what one more forward
+    pass costs, ``PASS_TOKENS``) is chunked on its own; the other rows (a full-context episode has one) are
+    chunked together, as ``length_sorted_chunks`` does."""
+    by_episode: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        by_episode.setdefault(row.episode, []).append(i)
+    chunks: list[list[int]] = []
+    rest: list[int] = []
+    for members in by_episode.values():
+        saved = (len(members) - 1) * common_prefix_length([rows[i].sequence.token_ids for i in members])
+        if len(members) > 1 and saved >= pass_tokens:
+            part = [rows[i] for i in members]
+            chunks += [[members[j] for j in c] for c in length_sorted_chunks(part, max_tokens, pass_tokens)]
+        else:
+            rest += members
+    part = [rows[i] for i in rest]
+    return chunks + [[rest[j] for j in c] for c in length_sorted_chunks(part, max_tokens, pass_tokens)]
+
+
 @torch.no_grad()
 def score_rows(
     rows: Sequence[TrainingRow],
@@ -197,15 +239,16 @@ def score_rows(
     max_tokens: int,
     device: torch.device,
     pass_tokens: int = 0,
+    chunks: Sequence[Sequence[int]] | None = None,
 ) -> list[torch.Tensor]:
     """Per row, the values ``score(batch)`` gives its action tokens (flat, fp32, on CPU), without grad.
 
-    ``score`` maps a collated micro-batch (``length_sorted_chunks(rows, max_tokens, pass_tokens)``, on
-    ``device``) to one value per action token in ``batch.action_mask`` order: the learner's log-probs, a
-    critic's values.
+    ``score`` maps a collated micro-batch (``chunks`` of row indices; ``None``: ``length_sorted_chunks(rows,
+    max_tokens, pass_tokens)``), on ``device``) to one value per action token in ``batch.action_mask`` order:
+    the learner's log-probs, a critic's values.
     """
     out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
-    for chunk in length_sorted_chunks(rows, max_tokens, pass_tokens):
+    for chunk in length_sorted_chunks(rows, max_tokens, pass_tokens) if chunks is None else chunks:
         batch = collate([rows[i].sequence for i in chunk], pad_token_id).to(device)
         flat = score(batch).float().cpu()
         for i, part in zip(chunk, flat.split(batch.lengths.tolist()), strict=True):
@@ -366,7 +409,7 @@ class Learner:
 
     # -- rows and micro-batches ----------------------------------------------------------------------------
     def _micro_batches(self, rows: Sequence[TrainingRow]) -> list[list[int]]:
-        return length_sorted_chunks(rows, self.config.micro_batch_tokens, PASS_TOKENS)
+        return prefix_grouped_chunks(rows, self.config.micro_batch_tokens, PASS_TOKENS)
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(self.model, *args, **kwargs)``; with FSDP through the root unit, whose forward hooks gather the
@@ -411,17 +454,15 @@ class Learner:
 
     def _row_logprobs(self, rows: Sequence[TrainingRow]) -> list[torch.Tensor]:
         """Log-probs of each row's action tokens under the current weights (flat, fp32, on CPU)."""
-        fillers = 0
-        if self.sharded:  # score_rows runs one forward per micro-batch
-            forwards = len(self._micro_batches(rows))
-            fillers = self._matching_forwards(forwards) - forwards
+        chunks = self._micro_batches(rows)  # those the rows will train in
+        fillers = self._matching_forwards(len(chunks)) - len(chunks)  # FSDP: as many forwards as every rank
         out = score_rows(
             rows,
             lambda batch: self._forward(batch, with_entropy=False),
             pad_token_id=self.pad_token_id,
             max_tokens=self.config.micro_batch_tokens,
             device=self.device,
-            pass_tokens=PASS_TOKENS,  # the chunks of _micro_batches
+            chunks=chunks,
         )
         self._filler_forwards(fillers, backward=False)
         return out

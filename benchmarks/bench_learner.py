@@ -25,6 +25,10 @@ the demo's batches (``streamrl demo``: SPO++ on Math-TIR from the demo's cold-st
     python benchmarks/bench_learner.py --versus 5f14592 [--episodes 64] [--repeats 8] [--seed 0]
                                        [--out benchmarks/results/learner/learner_versus.json]
 
+``--env alfworld --episodes 16`` times them on ALFWorld's preset's batches instead (``TRAIN_PRESETS["alfworld"]``:
+its SFT start, 16 episodes played among the admissible commands with a windowed context, lr 3e-3, 2
+mini-batches), written to ``learner_versus_alfworld.json``.
+
 ``REV``'s ``algorithms/learner.py`` and ``agents/logprobs.py`` are loaded from git as modules of their own, so
 both learners run in this process on the same batch and weights. Updates alternate between the two learners
 (``--repeats`` each, after a warm-up), each timed in CPU seconds of this process (what a busy neighbour on
@@ -69,18 +73,24 @@ HERE = Path(__file__).resolve().parent
 
 
 def play_batch(
-    backend: GenerationBackend, episodes: int, *, env: str = "math_tir", seed: int = 0, num_envs: int = 16
+    backend: GenerationBackend,
+    episodes: int,
+    *,
+    env: str = "math_tir",
+    seed: int = 0,
+    num_envs: int = 16,
+    constrained: bool = False,
 ) -> list[Episode]:
     """``episodes`` training episodes of ``env`` played by ``backend`` through the runtime, one per task (in
-    the split's order), as ``Episode`` s with version-0 tickets (baseline 0.5) ready for ``Learner.update``."""
+    the split's order), as ``Episode`` s with version-0 tickets (baseline 0.5) ready for ``Learner.update``;
+    ``constrained``: among the env's actions, none twice from one state (ALFWorld's preset)."""
     spec = env_spec(env)
     with RolloutSession(
         env, spec.train_split, num_envs=min(num_envs, episodes), workers=VectorEnvConfig(backend="inprocess")
     ) as session:
         task_ids = session.task_ids[:episodes]
-        agent = session.llm_agent(
-            backend
-        )  # temperature 1, the spec's budget; seeded by the backend's generator
+        # temperature 1, the spec's budget; seeded by the backend's generator
+        agent = session.llm_agent(backend, constrain_actions=constrained, avoid_repeats=constrained)
         jobs = [Job(t, i, Ticket(t, 0, 0.5, i, 0.0)) for i, t in enumerate(task_ids)]
         done = session.play(agent, jobs, seed=seed, lockstep=False)
     return [Episode(item.trajectory, item.job.ticket) for item in done]
@@ -230,30 +240,43 @@ def stepwise_gradients(
 
 
 def versus(args: argparse.Namespace) -> None:
-    """Today's learner against revision ``args.versus`` on the demo's batches (module doc)."""
+    """Today's learner against revision ``args.versus`` on the demo's batches, or ALFWorld's preset's (module
+    doc)."""
     from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
-    from streamrl.algorithms.train import initial_model_dir
+    from streamrl.algorithms.train import TrainConfig, initial_model_dir
     from streamrl.cli.demo import DEMO_COLD_START, DemoConfig
 
     rev = subprocess.run(
         ["git", "rev-parse", args.versus], cwd=HERE.parent, capture_output=True, text=True, check=True
     ).stdout.strip()
     reference = learner_at(rev)
-    demo = DemoConfig()
     load_before = os.getloadavg()[0]
-    model_dir = initial_model_dir("tiny", "sft", "math_tir", sft=dict(DEMO_COLD_START))
+    if args.env == "alfworld":  # the preset's run: its start, constrained play, lr and mini-batches
+        run = TrainConfig.for_env("alfworld")
+        model_dir = initial_model_dir("tiny", "sft", "alfworld")
+        setting = {"lr": run.learner.lr, "mini_batches": run.learner.mini_batches, "updates": run.updates}
+        described = "tiny, ALFWorld's shipped SFT checkpoint (TRAIN_PRESETS['alfworld'])"
+    else:
+        demo = DemoConfig()
+        model_dir = initial_model_dir("tiny", "sft", "math_tir", sft=dict(DEMO_COLD_START))
+        setting = {"lr": demo.lr, "mini_batches": demo.mini_batches, "updates": demo.updates}
+        described = "tiny, the demo's cold-start checkpoint (DEMO_COLD_START)"
     backend = HFBackend(model_dir, config=HFBackendConfig(device="cpu", seed=args.seed))
-    episodes = play_batch(backend, args.episodes, seed=args.seed)
+    episodes = play_batch(
+        backend, args.episodes, env=args.env, seed=args.seed, constrained=args.env == "alfworld"
+    )
     pad = int(backend.tokenizer.pad_token_id)
     backend.close()
     shape = batch_shape(episodes)
     print(f"batch: {json.dumps(shape)}", flush=True)
     algorithm = make_algorithm("spo++")
-    config = LearnerConfig(finetune="full", lr=demo.lr, mini_batches=demo.mini_batches, device="cpu")
+    config = LearnerConfig(
+        finetune="full", lr=setting["lr"], mini_batches=setting["mini_batches"], device="cpu"
+    )
 
     def make(cls: type[Learner]) -> Learner:
         torch.manual_seed(0)
-        return cls(load_model(model_dir), config, pad_token_id=pad, total_steps=demo.updates)
+        return cls(load_model(model_dir), config, pad_token_id=pad, total_steps=setting["updates"])
 
     gradients = stepwise_gradients(make, reference, episodes, algorithm)
     print(f"max |grad diff| per step: {gradients['max_abs_grad_diff_per_step']}", flush=True)
@@ -282,22 +305,26 @@ def versus(args: argparse.Namespace) -> None:
         for name in learners
     }
     report = {
-        "benchmark": "Learner.update on the demo's batches: today's learner against a git revision's, side by side",
+        "benchmark": f"Learner.update on {args.env}'s batches: today's learner against a git revision's, side by side",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "reference_revision": rev,
-        "model": "tiny, the demo's cold-start checkpoint (DEMO_COLD_START)",
+        "model": described,
         "learner": {
             "algorithm": "spo++",
-            "mini_batches": demo.mini_batches,
-            "lr": demo.lr,
+            "mini_batches": setting["mini_batches"],
+            "lr": setting["lr"],
             "finetune": "full",
         },
         "threads": args.threads,
         "torch": torch.__version__,
         "machine": f"{platform.machine()} {os.cpu_count()} cpus",
         "load_avg_1m_before_after": [load_before, os.getloadavg()[0]],
-        "batch": {**shape, "env": "math_tir", "seed": args.seed},
+        "batch": {**shape, "env": args.env, "seed": args.seed},
+        "micro_batches": {
+            name: len(learner._micro_batches(training_rows([e.trajectory for e in episodes])))
+            for name, learner in learners.items()
+        },
         "timing": timing,
         "speedup_cpu_median": round(
             statistics.median(cpu["reference"]) / statistics.median(cpu["current"]), 3
@@ -327,10 +354,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--versus", default=None, help="git revision: time its learner against today's")
     parser.add_argument("--seed", type=int, default=0, help="--versus: the seed the batch is played with")
+    parser.add_argument(
+        "--env",
+        default="math_tir",
+        choices=["math_tir", "alfworld"],
+        help="--versus: the demo's batches (math_tir) or ALFWorld's preset's (alfworld; use --episodes 16)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.versus is not None:
-        args.out = args.out or HERE / "results" / "learner" / "learner_versus.json"
+        suffix = "" if args.env == "math_tir" else f"_{args.env}"
+        args.out = args.out or HERE / "results" / "learner" / f"learner_versus{suffix}.json"
         versus(args)
         return
     args.out = args.out or HERE / "results" / "learner" / "learner.json"

@@ -52,7 +52,9 @@ from streamrl.algorithms.learner import (
     PASS_TOKENS,
     Learner,
     LearnerConfig,
+    TrainingRow,
     length_sorted_chunks,
+    prefix_grouped_chunks,
     shard_batch,
     training_rows,
 )
@@ -795,7 +797,9 @@ def oracle_logprobs(model: Any, batch: TokenBatch, temperature: float) -> torch.
 def oracle_episodes(vocab: int) -> list[Episode]:
     """Nine episodes of made-up tokens: all open with one 30-token prompt (so micro-batches share a prefix),
     their lengths vary (one is three times as long as the rest, so it pads the others unless split off), some
-    act under a constraint (allowed ids), and two hold two sequences each (a windowed context)."""
+    act under a constraint (allowed ids), and two hold several sequences (a windowed context): episode 2 two
+    that share the prompt only, episode 5 six that share a 70-token opening (so it is a micro-batch of its own,
+    ``prefix_grouped_chunks``)."""
     gen = torch.Generator().manual_seed(0)
 
     def ids(n: int) -> list[int]:
@@ -805,9 +809,10 @@ def oracle_episodes(vocab: int) -> list[Episode]:
     episodes = []
     for e in range(9):
         sequences = []
-        for turn in range(2 if e in (2, 5) else 1):
+        opening = prompt + ids(40 if e == 5 else 0)
+        for turn in range({2: 2, 5: 6}.get(e, 1)):
             seq = TokenSequence()
-            seq.extend_context(prompt + ids(3 + 2 * e + 5 * turn))
+            seq.extend_context(opening + ids(3 + 2 * e + 5 * turn))
             for _ in range(16 if e == 4 else 1 + e % 3):
                 action = ids(4 + e % 4)
                 allowed = None
@@ -866,6 +871,7 @@ def test_the_learner_s_gradients_are_the_plain_loss_gradients(algo: str, overrid
         len(length_sorted_chunks(rows, config.micro_batch_tokens, PASS_TOKENS)) > 1
     )  # the long row split off
     assert len(length_sorted_chunks(rows, config.micro_batch_tokens)) == 1
+    assert any({rows[i].episode for i in chunk} == {5} for chunk in learner._micro_batches(rows))
     per_row_adv = Learner._spread(episodes, advantages, rows)
 
     def oracle(step: int) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
@@ -914,6 +920,29 @@ def test_the_learner_s_gradients_are_the_plain_loss_gradients(algo: str, overrid
     assert max(worst) <= 1e-6, worst
     assert abs(metrics["loss"] - sum(losses) / len(losses)) <= 1e-6
     assert all(math.isfinite(v) for v in metrics.values()), metrics  # the entropy of constrained rows too
+
+
+def test_prefix_grouped_chunks_keep_an_episode_s_rows_apart_where_they_share_a_long_opening() -> None:
+    """Every row lands in exactly one micro-batch. An episode whose rows save at least ``PASS_TOKENS`` by sharing
+    their opening (4 rows x 100 tokens: 300) is chunked on its own, within the token bound; an episode that saves
+    less (3 rows x 30: 60) and the one-row episodes are chunked together exactly as ``length_sorted_chunks``
+    chunks them."""
+
+    def row(episode: int, ids: list[int]) -> TrainingRow:
+        seq = TokenSequence()
+        seq.extend_context(ids)
+        seq.extend_action([8, 9], [-1.0, -1.0], 0)
+        return TrainingRow(episode, seq)
+
+    rows = [row(0, list(range(4, 104)) + [7] * k) for k in range(1, 5)]
+    rows += [row(1, list(range(500, 530)) + [1] * k) for k in range(3)]
+    rows += [row(e, list(range(600, 640)) + [e] * e) for e in range(2, 6)]
+    rest = list(range(4, len(rows)))
+    pooled = length_sorted_chunks([rows[i] for i in rest], 10_000, PASS_TOKENS)
+    assert prefix_grouped_chunks(rows, 10_000) == [[0, 1, 2, 3]] + [[rest[j] for j in c] for c in pooled]
+    tight = prefix_grouped_chunks(rows, 230)  # two rows of episode 0 fit in 230 padded tokens
+    assert sorted(i for chunk in tight for i in chunk) == list(range(len(rows)))
+    assert [c for c in tight if 0 in {rows[i].episode for i in c}] == [[0, 1], [2, 3]]
 
 
 def test_a_shared_prefix_that_holds_action_tokens_scores_them_like_the_plain_forward() -> None:
