@@ -6,8 +6,8 @@ on held-out *training* games, its result judged on the eval splits.
    game), each game once, at the start and the end. The candidate whose paired validation gain (end against
    start on the same episodes) has the highest lower 95 % end is chosen. The eval splits are not looked at.
 2. **confirm**: the chosen candidate trains the preset's run for each of ``--seeds`` (the selection run is
-   reused for its seed: same config); then ``streamrl eval`` plays each run's last policy and the start (the SFT
-   checkpoint) on the same episodes of ``eval_seen`` and ``eval_unseen`` (every game ``--samples`` times,
+   reused for its seed: same config); then ``streamrl eval`` plays each run's last policy, and once the start (the
+   SFT checkpoint), on the same episodes of ``eval_seen`` and ``eval_unseen`` (every game ``--samples`` times,
    sampled at T = 1, constrained as the run trained), and reports the paired gain pooled and per split, each
    with its 95 % interval clustered by task.
 
@@ -31,11 +31,13 @@ from typing import Any
 from bench_lora import train_in_subprocess
 from streamrl.algorithms.run_dir import RunDir
 from streamrl.algorithms.train import TrainConfig
+from streamrl.envs.alfworld_gen import GenerationConfig
 from streamrl.evaluation.compare import held_out_gain, paired_gain
 
 RESULTS = Path(__file__).resolve().parent / "results" / "learning"
 CANDIDATES = (1e-3, 3e-3)  # 1e-4 barely moved the policy on 32 games (docs/training.md); 1e-3 moved it
 SPLITS = ("eval_seen", "eval_unseen")
+Episodes = dict[tuple[str, str, int, int], Any]  # an eval report's episodes by (split, task, seed, sample)
 
 
 def preset_run(out: Path, seed: int, lr: float, threads: int) -> TrainConfig:
@@ -62,19 +64,26 @@ def train(config: TrainConfig) -> dict[str, Any]:
     }
 
 
-def evaluate(run: dict[str, Any], samples: int, threads: int) -> dict[str, Any]:
-    """The run's last policy against the start on the same eval-split episodes (``streamrl eval``, kept in the
-    run directory): the paired success gain pooled and per split, clustered by task."""
-    report = Path(run["run"]) / "eval_splits.json"
-    if not report.is_file():
+def play(agent: str, report: Path, samples: int) -> Episodes:
+    """``agent``'s episodes on the eval splits (``streamrl eval``; the report is kept at ``report`` and reused
+    while the splits keep their sizes), by episode key."""
+    sizes = {s: GenerationConfig().size(s) for s in SPLITS}
+    if not report.is_file() or json.loads(report.read_text())["tasks"] != sizes:
         command = [
-            sys.executable, "-m", "streamrl.cli", "eval", f"run:{run['run']}", "--vs", "sft", "--env", "alfworld",
-            "--splits", *SPLITS, "--temperatures", "1.0", "--samples", str(samples), "--constrain-actions",
-            "--avoid-repeats", "--threads", str(threads), "--no-progress", "--out", str(report),
+            sys.executable, "-m", "streamrl.cli", "eval", agent, "--env", "alfworld", "--splits", *SPLITS,
+            "--temperatures", "1.0", "--samples", str(samples), "--constrain-actions", "--avoid-repeats",
+            "--threads", "1", "--no-progress", "--out", str(report),
         ]  # fmt: skip
         subprocess.run(command, check=True, capture_output=True, text=True)
-    data = json.loads(report.read_text())
-    end, start = ({_key(e): e for e in agent["episodes"]} for agent in data["agents"])
+    (agent_report,) = json.loads(report.read_text())["agents"]
+    return {_key(e): e for e in agent_report["episodes"]}
+
+
+def paired(end: Episodes, start: Episodes) -> dict[str, Any]:
+    """A run's last policy (``end``) against the start on the same eval-split episodes: the paired success gain
+    pooled and per split, clustered by task."""
+    if end.keys() != start.keys():
+        raise RuntimeError("the run's and the start's eval reports hold different episodes")
 
     def gain(split: str | None) -> dict[str, Any]:
         keys = [k for k in end if split is None or end[k]["split"] == split]
@@ -83,7 +92,7 @@ def evaluate(run: dict[str, Any], samples: int, threads: int) -> dict[str, Any]:
         g = paired_gain(a, b).to_dict()
         return g | {"start": sum(r["won"] for r in a) / len(a), "end": sum(r["won"] for r in b) / len(b)}
 
-    return {"report": str(report), "pooled": gain(None), **{s: gain(s) for s in SPLITS}}
+    return {"pooled": gain(None), **{s: gain(s) for s in SPLITS}}
 
 
 def _key(episode: dict[str, Any]) -> tuple[str, str, int, int]:
@@ -96,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--select-seed", type=int, default=0)
     parser.add_argument("--lrs", type=float, nargs="+", default=list(CANDIDATES))
-    parser.add_argument("--samples", type=int, default=2, help="episodes per eval game (64 games a split)")
+    parser.add_argument("--samples", type=int, default=2, help="episodes per eval game")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (one torch thread each)")
     parser.add_argument("--result", type=Path, default=RESULTS / "alfworld_recipe.json")
     a = parser.parse_args(argv)
@@ -110,9 +119,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     best = max(selected, key=lambda r: r["validation_gain"]["ci_low"])
     with ThreadPoolExecutor(a.jobs) as pool:
         confirmed = list(pool.map(train, [config(s, best["lr"]) for s in a.seeds]))
-        evaluated = list(pool.map(lambda r: evaluate(r, a.samples, threads=1), confirmed))
-    for run, result in zip(confirmed, evaluated, strict=True):
-        run["eval_splits"] = result
+        # The start is played once for every seed: an episode's env and sampling seeds depend only on its key.
+        reports = [a.out / "start_eval_splits.json"] + [
+            Path(r["run"]) / "eval_splits_end.json" for r in confirmed
+        ]
+        agents = ["sft"] + [f"run:{r['run']}" for r in confirmed]
+        start, *ends = pool.map(
+            lambda job: play(job[0], job[1], a.samples), zip(agents, reports, strict=True)
+        )
+    for run, end, report in zip(confirmed, ends, reports[1:], strict=True):
+        run["eval_splits"] = {"report": str(report), "start_report": str(reports[0])} | paired(end, start)
     result = {
         "what": "SPO++ on ALFWorld, the preset's run: the learning rate chosen on the validation split (held-out "
         "training games), the chosen one judged on eval_seen and eval_unseen against the start, per seed",
