@@ -68,14 +68,16 @@ def play(agent: str, report: Path, samples: int) -> Episodes:
     """``agent``'s episodes on the eval splits (``streamrl eval``; the report is kept at ``report`` and reused
     while the splits keep their sizes), by episode key."""
     sizes = {s: GenerationConfig().size(s) for s in SPLITS}
-    if not report.is_file() or json.loads(report.read_text())["tasks"] != sizes:
+    data = json.loads(report.read_text()) if report.is_file() else None
+    if data is None or data["tasks"] != sizes:
         command = [
             sys.executable, "-m", "streamrl.cli", "eval", agent, "--env", "alfworld", "--splits", *SPLITS,
             "--temperatures", "1.0", "--samples", str(samples), "--constrain-actions", "--avoid-repeats",
             "--threads", "1", "--no-progress", "--out", str(report),
         ]  # fmt: skip
         subprocess.run(command, check=True, capture_output=True, text=True)
-    (agent_report,) = json.loads(report.read_text())["agents"]
+        data = json.loads(report.read_text())
+    (agent_report,) = data["agents"]
     return {_key(e): e for e in agent_report["episodes"]}
 
 
