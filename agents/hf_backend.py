@@ -30,6 +30,8 @@ stay in ``HFBackend.prefix_cache`` (``streamrl.agents.prefix_cache``, at most
 ``HFBackendConfig.prefix_cache_bytes``) until the weights change; a later prompt that continues one of them (the
 next turn of an episode: prompt, generated tokens, observation) runs only its new tokens. The generated ids and
 log-probs are those of the whole prompt to float rounding (the kept keys were computed one decode step at a time).
+``generate(..., keep=...)`` keeps a given head of a prompt instead (a windowed episode's system message and first
+observation, which every later prompt of the episode starts with but no later prompt continues whole).
 
 Adapters. ``set_adapter(path, v)`` loads the peft adapter saved at ``path`` under a name of the backend's own
 (``streamrl-v<v>-load<n>``) and serves it; the backend's previous loads are then deleted. ``set_adapter(None,
@@ -461,13 +463,25 @@ class HFBackend:
         params: SamplingParams,
         seeds: Sequence[int] | None = None,
         choices: Sequence[Sequence[Sequence[int]] | None] | None = None,
+        keep: Sequence[int | None] | None = None,
     ) -> list[Generation]:
         """Complete every prompt; see the module doc for what the log-probs and seeds mean, and
-        ``GenerationBackend.generate`` for ``choices`` (completions constrained to token id sequences)."""
+        ``GenerationBackend.generate`` for ``choices`` (completions constrained to token id sequences).
+
+        ``keep[i]`` (static decoder, prefix cache on) says what of prompt ``i`` later prompts will start with:
+        ``None`` (the default): the prompt and its generated tokens (the next turn of a growing episode); an
+        int ``n``: only the prompt's first ``n`` tokens (``0 <= n <= len(prompts[i])``; a windowed episode's
+        fixed head), kept unless the prompt already started from a kept sequence at least that long."""
         self._check_open()
         if not prompts:
             return []
         options = check_choices(len(prompts), choices)
+        heads: list[int | None] = [None] * len(prompts) if keep is None else list(keep)
+        if len(heads) != len(prompts):
+            raise ValueError(f"keep has {len(heads)} entries for {len(prompts)} prompts")
+        for i, n in enumerate(heads):
+            if n is not None and not 0 <= n <= len(prompts[i]):
+                raise ValueError(f"keep[{i}]={n} is outside [0, {len(prompts[i])}] (prompt {i}'s length)")
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompts[{i}] is empty; a prompt needs at least one token")
@@ -482,7 +496,11 @@ class HFBackend:
                 stop = start + self.config.max_batch_size
                 out.extend(
                     self._generate_chunk(
-                        prompts[start:stop], row_seeds[start:stop], params, options[start:stop]
+                        prompts[start:stop],
+                        row_seeds[start:stop],
+                        params,
+                        options[start:stop],
+                        heads[start:stop],
                     )
                 )
             return out
@@ -504,6 +522,7 @@ class HFBackend:
         seeds: Sequence[int],
         params: SamplingParams,
         choices: Sequence[list[list[int]] | None],
+        heads: Sequence[int | None],
     ) -> list[Generation]:
         """One batch: prefill, then a step per token; the whole batch is sampled and recorded in tensor ops, and
         only the rows a token may end (or that are constrained) are looked at in Python."""
@@ -574,7 +593,7 @@ class HFBackend:
                     break
                 if 4 * (len(rows) - live) >= len(rows):  # finished rows are a quarter of the batch: drop them
                     if found is not None:
-                        self._keep_prefixes(decoder, prompts, rows, ends, lengths, tokens, found)
+                        self._keep_prefixes(decoder, prompts, rows, ends, lengths, tokens, found, heads)
                     keep = [j for j, r in enumerate(rows) if ends[r] is None]
                     kept = torch.as_tensor(keep, device=self.device)
                     decoder.keep(kept)
@@ -582,7 +601,7 @@ class HFBackend:
                     index, chosen = index[kept], chosen[kept]
                 logits = decoder.step(chosen)
             if found is not None:
-                self._keep_prefixes(decoder, prompts, rows, ends, lengths, tokens, found)
+                self._keep_prefixes(decoder, prompts, rows, ends, lengths, tokens, found, heads)
         ids, lps = tokens.tolist(), logprobs.tolist()
         out = []
         for row, end in enumerate(ends):
@@ -620,14 +639,24 @@ class HFBackend:
         lengths: list[int],
         tokens: torch.Tensor,
         found: list[CachedPrefix | None],
+        heads: Sequence[int | None],
     ) -> None:
         """Put the finished rows still in ``decoder`` into the prefix cache: prompt + generated tokens but the
-        last (never fed), each superseding the entry its prompt started with."""
+        last (never fed), each superseding the entry its prompt started with; or, for a row with a head length
+        ``heads[row]``, the prompt's first that many tokens, unless its prompt started from one that long."""
         done = [(j, row) for j, row in enumerate(rows) if ends[row] is not None]
-        if not done:
+        whole = [(j, row) for j, row in done if heads[row] is None]
+        for j, row in done:
+            head = heads[row]
+            if head is None or head == 0:
+                continue
+            start = found[row]
+            if start is None or start.length < head:
+                self.prefix_cache.store(decoder.export(j, prompts[row][:head]))
+        if not whole:
             return
-        generated = tokens[[row for _, row in done]].tolist()  # one transfer for the rows kept
-        for (j, row), ids in zip(done, generated, strict=True):
+        generated = tokens[[row for _, row in whole]].tolist()  # one transfer for the rows kept
+        for (j, row), ids in zip(whole, generated, strict=True):
             fed = [*prompts[row], *ids[: lengths[row] - 1]]
             self.prefix_cache.store(decoder.export(j, fed), continues=found[row])
 

@@ -150,6 +150,8 @@ class _Episode:
     tool_calls: int = 0  # the env's cumulative info["tool_calls"] seen so far
     tried: dict[tuple[str, tuple[str, ...]], set[str]] = field(default_factory=dict)
     """``avoid_repeats``: per state (observation, choices), the commands taken from it."""
+    first_prompt: list[int] | None = None
+    """"window" mode: the first turn's prompt ids, whose head every later prompt starts with."""
 
 
 class LLMAgent:
@@ -197,6 +199,11 @@ class LLMAgent:
                     f"constrain_actions=True needs a backend whose generate takes choices= (HFBackend, "
                     f"RayEngines of HF engines); {type(backend).__name__}.generate does not"
                 )
+        # A windowed episode's prompts all start with its system message and first observation: a backend that
+        # keeps prompt heads (HFBackend's prefix cache) keeps that one instead of every turn's whole sequence.
+        self._keep_heads = (
+            self.context.mode == "window" and "keep" in inspect.signature(backend.generate).parameters
+        )
         self._episodes: dict[EpisodeId, _Episode] = {}
         self._pending: dict[EpisodeId, tuple[str | None, Any]] = {}
 
@@ -319,11 +326,12 @@ class LLMAgent:
                 ]
             started = time.perf_counter()
             prompts = [ids for _, _, ids, _ in group]
+            extra: dict[str, Any] = {}
             if self.constrain_actions:
-                choices = [options[i] for i, _, _, _ in group]
-                generations = self.backend.generate(prompts, params, seeds, choices=choices)
-            else:
-                generations = self.backend.generate(prompts, params, seeds)
+                extra["choices"] = [options[i] for i, _, _, _ in group]
+            if self._keep_heads:
+                extra["keep"] = [self._head(e, ids) for _, e, ids, _ in group]
+            generations = self.backend.generate(prompts, params, seeds, **extra)
             seconds = time.perf_counter() - started
             for j, ((i, episode, ids, start), gen) in enumerate(zip(group, generations, strict=True)):
                 if gen.error is not None:  # no turn to record: the episode ends here (``lost``)
@@ -339,6 +347,20 @@ class LLMAgent:
         for eid in episode_ids:
             self._episodes[eid].last_return = now
         return actions
+
+    @staticmethod
+    def _head(episode: _Episode, ids: list[int]) -> int:
+        """How many leading tokens of ``ids`` the episode's first prompt shares (all of them at the first turn):
+        the window's fixed head, which every later prompt of the episode starts with."""
+        if episode.first_prompt is None:
+            episode.first_prompt = ids
+            return len(ids)
+        first, n = episode.first_prompt, 0
+        for a, b in zip(first, ids, strict=False):
+            if a != b:
+                break
+            n += 1
+        return n
 
     def _record_turn(
         self,

@@ -352,15 +352,17 @@ class StaticCacheDecoder:
         return self.lm_head(_rms_norm(x, self.norm))[:, -1]
 
     def export(self, row: int, tokens: Sequence[int]) -> CachedPrefix:
-        """The keys and values of batch row ``row``'s prompt and its first ``len(tokens) - prompt length``
-        generated tokens (``tokens``: those ids, prompt first; every one of them fed by a ``step``), copied out of
-        the batch's cache."""
+        """The keys and values of ``tokens``, copied out of the batch's cache: batch row ``row``'s prompt and its
+        first ``len(tokens) - prompt length`` generated tokens (prompt first; every generated one fed by a
+        ``step``), or, when ``tokens`` is no longer than the prompt, the prompt's first ``len(tokens)``."""
         prompt = int(self.lengths[row])
         generated = len(tokens) - prompt
-        if generated < 0 or self.width + generated > self.columns:
+        if self.width + generated > self.columns:
             raise ValueError(f"row {row} has {prompt} prompt tokens and {self.columns - self.width} fed")
 
         def take(cache: torch.Tensor) -> torch.Tensor:
+            if generated <= 0:
+                return cache[row, :, : len(tokens)].clone()
             return torch.cat(
                 (cache[row, :, :prompt], cache[row, :, self.width : self.width + generated]), dim=1
             )

@@ -528,6 +528,39 @@ def test_a_next_turn_reuses_the_kept_history_and_generates_what_a_whole_prompt_d
         HFBackendConfig(prefix_cache_bytes=-1)
 
 
+def test_a_kept_head_serves_every_later_prompt_that_starts_with_it() -> None:
+    """``keep=[n]`` keeps a prompt's first ``n`` tokens only (not the prompt and its generation): prompts that
+    start with that head but do not continue the earlier prompt (a windowed episode's later turns) run only the
+    rest, generate what they do without the cache, and keep nothing new; a head the prompt already started
+    from is not stored twice. ``keep`` out of range is refused, naming it."""
+    on = HFBackend("tiny", config=HFBackendConfig(decode="static"))
+    off = HFBackend("tiny", config=HFBackendConfig(decode="static", prefix_cache_bytes=0))
+    tok = on.tokenizer
+    head = tok("You are in the middle of a room. Your task is to: put a pen in desk.")["input_ids"]
+    turns = [
+        tok(t, add_special_tokens=False)["input_ids"] for t in (" > look", " > go to desk 1", " > inventory")
+    ]
+    params = SamplingParams(max_new_tokens=12, seed=5)
+    first = on.generate([head], params, seeds=[0], keep=[len(head)])
+    _same_generations(first, off.generate([head], params, seeds=[0]))
+    assert len(on.prefix_cache) == 1 and on.prefix_cache.bytes > 0
+    size = on.prefix_cache.bytes
+    for t, tail in enumerate(turns):  # each later prompt: the head, then something no earlier prompt had
+        hits, reused = on.prefix_cache.hits, on.prefix_cache.reused_tokens
+        prompts = [head + tail, head[:5] + tail]  # the second shares 5 tokens: whole at first, then from them
+        gens = on.generate(prompts, params, seeds=[t, t], keep=[len(head), 5])
+        _same_generations(gens, off.generate(prompts, params, seeds=[t, t]))
+        found = (1, len(head)) if t == 0 else (2, len(head) + 5)
+        assert (on.prefix_cache.hits - hits, on.prefix_cache.reused_tokens - reused) == found
+    assert len(on.prefix_cache) == 2  # the head and the 5-token head (stored once, then found)
+    assert on.prefix_cache.bytes == size * (len(head) + 5) // len(head)
+    for keep in ([len(head) + 5], [-1]):
+        with pytest.raises(ValueError, match=r"keep\[0\]=-?\d+ is outside \[0, "):
+            on.generate([head + turns[0]], params, keep=keep)
+    with pytest.raises(ValueError, match="keep has 2 entries for 1 prompts"):
+        on.generate([head], params, keep=[1, 2])
+
+
 def test_the_prefix_cache_finds_the_longest_kept_prefix_and_evicts_superseded_entries_first() -> None:
     from streamrl.agents.prefix_cache import CachedPrefix, PrefixCache
 

@@ -213,6 +213,39 @@ def test_avoid_repeats_takes_no_command_twice_from_one_state(tiny: HFBackend) ->
         LLMAgent(tiny, prompt_format=ALFWorldPrompt(), avoid_repeats=True)
 
 
+def test_a_windowed_episode_keeps_its_head_once_and_every_later_turn_starts_from_it() -> None:
+    # The window drops the previous turn, so no prompt continues the last one whole; what every turn shares is
+    # the first prompt (system message, first observation). The agent has the backend keep that head: turns
+    # 1.. start from it, the cache holds one entry per episode, and the episodes play exactly as without it.
+    from streamrl.agents.hf_backend import HFBackendConfig
+
+    on = HFBackend("tiny", config=HFBackendConfig(decode="static"))
+    off = HFBackend("tiny", config=HFBackendConfig(decode="static", prefix_cache_bytes=0))
+    commands = ["look", "inventory", "go to desk 1", "open drawer 1"]
+    first = "You are in the middle of a room. Your task is to: put a pen in desk."
+    played = []
+    for backend in (on, off):
+        agent = LLMAgent(
+            backend,
+            prompt_format=ALFWorldPrompt(list_admissible=True, one_command_per_line=True),
+            sampling=SamplingParams(max_new_tokens=24, seed=7),
+            context=ContextPolicy(mode="window", window_turns=1, max_context_tokens=1024),
+            constrain_actions=True,
+        )
+        for turn in range(5):
+            obs = first if turn == 0 else f"You arrive at shelf {turn}. On the shelf {turn}, you see nothing."
+            info = {"admissible_commands": commands[turn % 2 :]}
+            agent.act([obs, obs], [info, info], ["a", "b"])
+        played.append([agent.end_episode(e) for e in ("a", "b")])
+    for a, b in zip(*played, strict=True):
+        assert [t.action for t in a.turns] == [t.action for t in b.turns]
+        assert [s.token_ids for s in a.sequences] == [s.token_ids for s in b.sequences]
+    heads = [len(r.sequences[0].token_ids) - r.sequences[0].action_mask.count(1) for r in played[0]]
+    assert on.prefix_cache.hits == 8 and on.prefix_cache.reused_tokens == 4 * sum(heads)
+    assert len(on.prefix_cache) == 1  # both episodes' first prompts are the same tokens: one entry
+    assert off.prefix_cache.hits == 0
+
+
 def test_math_window_policy_and_batched_act(tiny: HFBackend, math_env: gym.Env) -> None:
     policy = ContextPolicy(mode="window", window_turns=1, max_context_tokens=1024)
     agent = LLMAgent(
