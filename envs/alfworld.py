@@ -157,7 +157,9 @@ class ALFWorldEnv(TextEnv):
             ``json_2.1.1`` folder itself); ``"$ALFWORLD_DATA"`` is expanded. ``split`` picks
             train / valid_seen / valid_unseen.
         max_steps: episode limit; ``truncated`` is set on the step that reaches it (ALFWorld uses 50).
-        generation: split sizes and cache folder of the generated games.
+        generation: split sizes and cache folder of the generated games: a ``GenerationConfig``, or a mapping
+            of its fields (a run's ``env_kwargs``, e.g. ``{"train": 512}``: the first 512 generated training
+            games instead of 128; the other splits keep their sizes).
         planner_walkthrough: for games without a stored walkthrough (official data), compute one with the
             Fast Downward planner at reset (slow, seconds to minutes); otherwise ``walkthrough`` is ``[]``.
         render_mode: ``None`` or ``"ansi"`` (``render()`` returns the last observation).
@@ -181,12 +183,18 @@ class ALFWorldEnv(TextEnv):
         game_files: Sequence[str | os.PathLike[str]] | None = None,
         data_path: str | os.PathLike[str] | None = None,
         max_steps: int = 50,
-        generation: GenerationConfig | None = None,
+        generation: GenerationConfig | Mapping[str, Any] | None = None,
         planner_walkthrough: bool = False,
         render_mode: str | None = None,
     ) -> None:
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}")
+        if isinstance(generation, Mapping):
+            valid = list(GenerationConfig.__dataclass_fields__)
+            unknown = sorted(set(generation) - set(valid))
+            if unknown:
+                raise ValueError(f"unknown generation field(s) {unknown}; valid: {valid}")
+            generation = GenerationConfig(**generation)
         if not isinstance(max_steps, int) or max_steps < 1:
             raise ValueError(f"max_steps must be an int >= 1, got {max_steps!r}")
         if game_files is not None and data_path is not None:

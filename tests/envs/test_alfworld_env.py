@@ -253,6 +253,19 @@ def test_explicit_game_files_and_two_envs_are_independent(env: ALFWorldEnv) -> N
     other.close()
 
 
+def test_a_run_s_env_kwargs_size_the_training_split() -> None:
+    # A config's env_kwargs reach every split as plain data: {"train": n} takes the first n generated training
+    # games (the first 128 are the default split's) and leaves the other splits as they are.
+    small = ALFWorldEnv(split="train", generation={"train": 130})
+    first, default = ALFWorldEnv(split="train"), ALFWorldEnv(split="eval_unseen", generation={"train": 130})
+    try:
+        assert len(small.task_ids) == 130 and small.task_ids[:128] == first.task_ids
+        assert len(default.task_ids) == gen.GenerationConfig().eval_unseen
+    finally:
+        for e in (small, first, default):
+            e.close()
+
+
 def test_bad_arguments_are_explained(env: ALFWorldEnv, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown split 'valid_seen'"):
         ALFWorldEnv(split="valid_seen")
@@ -260,6 +273,8 @@ def test_bad_arguments_are_explained(env: ALFWorldEnv, tmp_path: Path) -> None:
         ALFWorldEnv(split="eval_unseen", max_steps=0)
     with pytest.raises(FileNotFoundError, match="missing"):
         ALFWorldEnv(game_files=[str(tmp_path / "nope.tw-pddl")])
+    with pytest.raises(ValueError, match=r"unknown generation field\(s\) \['games'\]; valid: \['train', "):
+        ALFWorldEnv(split="train", generation={"games": 512})
     with pytest.raises(FileNotFoundError, match="no official ALFWorld split 'valid_seen'"):
         ALFWorldEnv(split="eval_seen", data_path=tmp_path)
     with pytest.raises(ValueError, match="unknown task_id 'alfworld/eval_unseen/9999"):
