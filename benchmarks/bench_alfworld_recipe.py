@@ -20,6 +20,7 @@ finished evaluations are kept there, so an interrupted benchmark continues where
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import subprocess
 import sys
@@ -40,9 +41,16 @@ SPLITS = ("eval_seen", "eval_unseen")
 Episodes = dict[tuple[str, str, int, int], Any]  # an eval report's episodes by (split, task, seed, sample)
 
 
-def preset_run(out: Path, seed: int, lr: float, threads: int) -> TrainConfig:
-    """ALFWorld's preset at ``seed`` and learning rate ``lr``, on ``threads`` torch threads."""
-    return TrainConfig.for_env("alfworld", out=str(out), seed=seed, threads=threads, learner={"lr": lr})
+def preset_run(
+    out: Path, seed: int, lr: float, threads: int, overrides: dict[str, Any] | None = None
+) -> TrainConfig:
+    """ALFWorld's preset at ``seed`` and learning rate ``lr``, on ``threads`` torch threads, with ``overrides``
+    (``TrainConfig`` fields, e.g. ``{"env_kwargs": {"generation": {"train": 512}}, "updates": 100}``)."""
+    values = dict(overrides or {})
+    learner = {**values.pop("learner", {}), "lr": lr}
+    return TrainConfig.for_env(
+        "alfworld", **values, out=str(out), seed=seed, threads=threads, learner=learner
+    )
 
 
 def train(config: TrainConfig) -> dict[str, Any]:
@@ -110,11 +118,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--samples", type=int, default=2, help="episodes per eval game")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (one torch thread each)")
     parser.add_argument("--result", type=Path, default=RESULTS / "alfworld_recipe.json")
+    parser.add_argument(
+        "--overrides",
+        type=json.loads,
+        default={},
+        help="JSON of TrainConfig fields laid over the preset for every run (a candidate recipe), e.g. "
+        '\'{"env_kwargs": {"generation": {"train": 512}}, "updates": 100}\'; its runs get their own directories',
+    )
     a = parser.parse_args(argv)
     started = time.perf_counter()
+    tag = (
+        ""
+        if not a.overrides
+        else "x" + hashlib.sha256(json.dumps(a.overrides, sort_keys=True).encode()).hexdigest()[:8] + "-"
+    )
 
     def config(seed: int, lr: float) -> TrainConfig:
-        return preset_run(a.out / f"lr{lr:g}-seed{seed}", seed, lr, threads=1)
+        return preset_run(a.out / f"{tag}lr{lr:g}-seed{seed}", seed, lr, threads=1, overrides=a.overrides)
 
     with ThreadPoolExecutor(a.jobs) as pool:
         selected = list(pool.map(train, [config(a.select_seed, lr) for lr in a.lrs]))
@@ -136,6 +156,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "training games), the chosen one judged on eval_seen and eval_unseen against the start, per seed",
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "preset": TrainConfig.for_env("alfworld").to_dict() | {"out": None},
+        "overrides": a.overrides,
         "selection": {
             "seed": a.select_seed,
             "eval_split": "validation",
