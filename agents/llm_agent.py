@@ -353,7 +353,7 @@ class LLMAgent:
         """How many leading tokens of ``ids`` the episode's first prompt shares (all of them at the first turn):
         the window's fixed head, which every later prompt of the episode starts with."""
         if episode.first_prompt is None:
-            episode.first_prompt = ids
+            episode.first_prompt = list(ids)
             return len(ids)
         first, n = episode.first_prompt, 0
         for a, b in zip(first, ids, strict=False):
