@@ -114,6 +114,36 @@ def test_reproduce_table1_paper_scale_dry_run_builds_table_3(tmp_path: Path) -> 
     assert not (tmp_path / "runs").exists()  # nothing trained
 
 
+def test_reproduce_table1_cpu_scale_runs_alfworld_s_preset(tmp_path: Path) -> None:
+    """ALFWorld's CPU table trains exactly the preset (``streamrl train --env alfworld``), every arm the same but
+    for its algorithm, its curve on ``eval_seen`` rather than the validation games the preset was chosen on."""
+    from streamrl.algorithms.train_config import TrainConfig
+
+    printed = run_example(
+        "reproduce_table1.py",
+        "--scale",
+        "cpu",
+        "--envs",
+        "alfworld",
+        "--seeds",
+        "0",
+        "1",
+        "2",
+        "--dry-run",
+        cwd=tmp_path,
+    )
+    configs = {c["out"].split("/")[-1]: c for c in json.loads(printed)}
+    assert len(configs) == 3 * 3 + 1
+    preset = TrainConfig.for_env("alfworld").to_dict()
+    spo_pp = configs["spo++-seed1"]
+    changed = {k for k in preset if preset[k] != spo_pp[k]}
+    assert changed == {"out", "seed", "eval_split", "eval_episodes", "eval_every"}
+    assert (spo_pp["eval_split"], spo_pp["eval_episodes"], spo_pp["updates"]) == ("eval_seen", 140, 60)
+    for name in ("spo-seed1", "grpo-seed1"):
+        assert {k for k in spo_pp if spo_pp[k] != configs[name][k]} == {"algo", "out"}
+    assert configs["spo++-lr0-seed0"]["learner"]["lr"] == 0.0
+
+
 def test_reproduce_table2_ablates_the_normalization_only(tmp_path: Path) -> None:
     printed = run_example(
         "reproduce_table2.py", "--scale", "tiny", "--env", "math_tir", "--seeds", "0", "1", cwd=tmp_path
