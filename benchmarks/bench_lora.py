@@ -9,9 +9,14 @@ fine-tuning, its settings chosen on training tasks and its result judged on the 
 2. **confirm**: the chosen candidate trains the demo's run (60 updates, the test split's 405 tasks of the SFT
    families once per evaluation) for each of ``--seeds``; each run's paired gain has its 95 % interval clustered
    by task. Beside it, the full-fine-tuning run of the same seed and config (``--full DIR``: ``DIR/spo++-seed<N>``,
-   e.g. ``examples/reproduce_table1.py --scale cpu``'s Math-TIR runs) when it exists.
+   e.g. ``examples/reproduce_table1.py --scale cpu``'s Math-TIR runs) when it exists; ``--train-full`` trains
+   those (the demo's own run, full fine-tuning, at each seed) in the same pool when they do not.
+
+``--chosen LR RANK ALPHA`` skips step 1 and confirms that adapter (e.g. one chosen by an earlier selection; the
+result records it as given, not chosen here)::
 
     python benchmarks/bench_lora.py --jobs 2 --full runs/table1/math_tir
+    python benchmarks/bench_lora.py --jobs 2 --chosen 1e-3 16 32 --train-full --full runs/lora/full
 
 writes ``benchmarks/results/learning/lora_math_tir.json``. Runs resume from their directories (``--out``), so
 an interrupted benchmark continues where it stopped.
@@ -83,11 +88,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--select-updates", type=int, default=30)
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (one torch thread each)")
     parser.add_argument("--full", type=Path, help="directory of the full-fine-tuning runs spo++-seed<N>")
+    parser.add_argument(
+        "--chosen", nargs=3, metavar=("LR", "RANK", "ALPHA"), help="skip the selection; confirm this adapter"
+    )
+    parser.add_argument(
+        "--train-full", action="store_true", help="train the full-fine-tuning runs into --full as well"
+    )
     parser.add_argument("--result", type=Path, default=RESULTS / "lora_math_tir.json")
     a = parser.parse_args(argv)
     if a.select_seed in a.seeds:
         parser.error(f"--select-seed {a.select_seed} is one of --seeds {a.seeds}: choose on another run")
+    if a.train_full and a.full is None:
+        parser.error("--train-full needs --full DIR: where the full-fine-tuning runs spo++-seed<N> go")
     started = time.perf_counter()
+    if a.chosen:
+        try:
+            lr, rank, alpha = float(a.chosen[0]), int(a.chosen[1]), int(a.chosen[2])
+        except ValueError:
+            parser.error(
+                f"--chosen {' '.join(a.chosen)}: expected a learning rate and two integers, e.g. 1e-3 16 32"
+            )
+        return confirm(a, (lr, rank, alpha), None, argv, started)
     selection = [
         lora_config(
             a.out / f"select-lr{lr:g}-r{rank}-seed{a.select_seed}", a.select_seed, lr, rank, alpha,
@@ -101,10 +122,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for (lr, rank, alpha), r in zip(CANDIDATES, selected, strict=True):
         r |= {"lr": lr, "rank": rank, "alpha": alpha}
     best = max(selected, key=lambda r: r["held_out_gain"]["mean"] if r["held_out_gain"] else float("-inf"))
-    lr, rank, alpha = best["lr"], best["rank"], best["alpha"]
-    confirm = [lora_config(a.out / f"lora-seed{s}", s, lr, rank, alpha) for s in a.seeds]
+    selection = {"seed": a.select_seed, "updates": a.select_updates, "eval_split": "train", "runs": selected}
+    return confirm(a, (best["lr"], best["rank"], best["alpha"]), selection, argv, started)
+
+
+def confirm(
+    a: argparse.Namespace,
+    chosen: tuple[float, int, int],
+    selection: dict[str, Any] | None,
+    argv: list[str] | None,
+    started: float,
+) -> dict[str, Any]:
+    """Step 2: the ``chosen`` adapter's run at each of ``a.seeds`` (and, with ``a.train_full``, the demo's own
+    full-fine-tuning run of each seed), each judged beside the full run of its seed; writes and returns the
+    result (``selection`` None: the adapter was given with ``--chosen``)."""
+    lr, rank, alpha = chosen
+    jobs = [lora_config(a.out / f"lora-seed{s}", s, lr, rank, alpha) for s in a.seeds]
+    if a.train_full:
+        jobs += [
+            DemoConfig(out=a.full / f"spo++-seed{s}", seed=s, threads=1, progress=False).train_config()
+            for s in a.seeds
+        ]
     with ThreadPoolExecutor(a.jobs) as pool:
-        confirmed = list(pool.map(run, confirm))
+        confirmed = list(pool.map(run, jobs))[: len(a.seeds)]
     for seed, r in zip(a.seeds, confirmed, strict=True):
         full = a.full / f"spo++-seed{seed}" if a.full else None
         r |= {"seed": seed, "full_finetune": held_out_gain(full) if full and full.is_dir() else None}
@@ -112,19 +152,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "what": "SPO++ on Math-TIR, the demo's run with a LoRA adapter: candidates chosen on training tasks, the "
         "chosen one on the test split per seed beside full fine-tuning of the same seed",
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "selection": {
-            "seed": a.select_seed,
-            "updates": a.select_updates,
-            "eval_split": "train",
-            "runs": selected,
-        },
+        "selection": selection or {"skipped": "the adapter was given with --chosen"},
         "chosen": {"lr": lr, "rank": rank, "alpha": alpha},
         "runs": confirmed,
         "wall_s": round(time.perf_counter() - started, 1),
     }
     a.result.parent.mkdir(parents=True, exist_ok=True)
     a.result.write_text(json.dumps(result, indent=2) + "\n")
-    for r in selected:
+    for r in (selection or {}).get("runs", []):
         g = r["held_out_gain"]
         print(
             f"select lr {r['lr']:g} rank {r['rank']}: training-task gain {g['mean']:+.3f} [{g['ci_low']:+.3f}, {g['ci_high']:+.3f}]"
