@@ -149,8 +149,9 @@ def confirm(
         full = a.full / f"spo++-seed{seed}" if a.full else None
         r |= {"seed": seed, "full_finetune": held_out_gain(full) if full and full.is_dir() else None}
     result = {
-        "what": "SPO++ on Math-TIR, the demo's run with a LoRA adapter: candidates chosen on training tasks, the "
-        "chosen one on the test split per seed beside full fine-tuning of the same seed",
+        "what": "SPO++ on Math-TIR, the demo's run with a LoRA adapter "
+        + ("(candidates chosen on training tasks)" if selection else "(the adapter given with --chosen)")
+        + ", on the test split per seed beside full fine-tuning of the same seed",
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "selection": selection or {"skipped": "the adapter was given with --chosen"},
         "chosen": {"lr": lr, "rank": rank, "alpha": alpha},
