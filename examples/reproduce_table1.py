@@ -17,8 +17,9 @@ the table::
     python examples/reproduce_table1.py --scale tiny --envs math_tir  # a smoke run of the whole pipeline
 
 ``--scale paper`` is SPO++ Table 3 for a GPU box with the model on local disk (the configs ``--dry-run`` prints);
-``--scale cpu`` is what 2 CPU cores afford on ``tiny`` from its SFT checkpoints (on Math-TIR 16 runs of 7-10 min,
-about 80 min as two processes; on ALFWorld, ``--seeds 0 1 2``, ten runs of the preset of about 35 min each; its
+``--scale cpu`` is what 2 CPU cores afford on ``tiny`` from its SFT checkpoints (on Math-TIR 16 runs of 9-14 min two
+at a time, about 100 min as two processes: a run's env workers and sandboxes take about 8 GB, so three at once
+exhaust 24 GiB; on ALFWorld, ``--seeds 0 1 2``, ten runs of the preset of about 35 min each; its
 table and how to read it: docs/evaluation.md, "SPO++ Table 1 on CPU").
 ``--envs``, ``--seeds``, ``--algos``, ``--no-control`` and ``--train-only`` split the runs into processes; the
 command without ``--train-only`` then builds the table from them. Ctrl-C stops the script after the current run
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(
             "--scale paper needs --model: a local directory of the paper's model (e.g. Qwen3.5-0.8B)"
         )
-    if len(a.seeds) < 2 and not a.dry_run:
+    if len(a.seeds) < 2 and not (a.dry_run or a.train_only):  # one seed trains; only the table pairs
         parser.error("paired differences need at least two seeds (the paper: 3 to 5)")
     arms = [(algo, s) for s in a.seeds for algo in a.algos]
     if a.control:

@@ -65,6 +65,10 @@ def test_reproduce_table1_pairs_spo_pp_with_its_baselines_beside_a_control(tmp_p
     assert "interrupted in" in stdout and "run the same command to resume" in stdout
     assert not (tmp_path / "runs/table1/table1.json").exists()
     assert not (tmp_path / "runs/table1/math_tir/spo++-seed0").exists()
+    # Runs split into processes by seed, one seed each (--train-only), as the docstring says; the command without
+    # --train-only then resumes the finished runs and builds the table. A single seed used to be refused.
+    run_example(*args[:6], *args[7:], "--no-control", "--train-only", cwd=tmp_path)
+    assert (tmp_path / "runs/table1/math_tir/grpo-seed1/evals/update-00002.jsonl").is_file()
     printed = run_example(*args, cwd=tmp_path)
     result = json.loads((tmp_path / "runs/table1/table1.json").read_text())
     row = result["table"]["math_tir"]
