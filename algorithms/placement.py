@@ -24,7 +24,7 @@ def make_learner(config: TrainConfig, policy: Any, model_dir: Path, pad_token_id
     """The learner of ``policy`` (loaded from ``model_dir``): one process, or ``config.learner_ranks`` ranks of
     which this process is rank 0. ``ConfigError`` when Ray's ranks cannot match rank 0's device."""
     c = config
-    total_steps = c.updates * c.learner.mini_batches * c.learner.epochs
+    total_steps = (c.schedule_updates or c.updates) * c.learner.mini_batches * c.learner.epochs
     if c.learner_ranks == 1:
         return Learner(
             policy, c.learner, pad_token_id=pad_token_id, total_steps=total_steps, temperature=c.temperature

@@ -88,6 +88,10 @@ class TrainConfig(ActionConstraint, RolloutFields):
     """Rollout backend: ``"hf"`` (in-process transformers) or ``"vllm"`` (needs LoRA)."""
     updates: int = 60
     """Policy updates to run."""
+    schedule_updates: int | None = None
+    """Updates the learning-rate schedule (warm-up + cosine) spans; ``None``: ``updates``. Larger than
+    ``updates`` trains the first updates of a longer run at that run's learning rates (SPO++ Table 2's C10: the
+    first ten updates of the preset's run, ``examples/reproduce_table2.py``)."""
     batch: int = 64
     """B: trajectories per update (SPO++ paper: 128)."""
     max_staleness: int = 1
@@ -245,6 +249,10 @@ class TrainConfig(ActionConstraint, RolloutFields):
         ):
             if getattr(c, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(c, name)}")
+        if c.schedule_updates is not None and c.schedule_updates < 1:
+            raise ConfigError(
+                f"schedule_updates must be >= 1 (or None: the run's updates), got {c.schedule_updates}"
+            )
         for error in c.rollout_errors():
             raise ConfigError(error)
         self._validate_cluster()
@@ -309,6 +317,7 @@ class TrainConfig(ActionConstraint, RolloutFields):
             saved.setdefault("constrain_actions", False)  # saved before the field: unconstrained
             saved.setdefault("avoid_repeats", False)  # saved before the field: repeats allowed
             saved.setdefault("dispatch", "fill")  # saved before the field: every free slot
+            saved.setdefault("schedule_updates", None)  # saved before the field: the schedule spans updates
             for values in (saved, mine):  # how the ranks hold the policy is placement: checkpoints are full
                 (values.get("learner") or {}).pop("sharding", None)
             changed = sorted(

@@ -1062,6 +1062,11 @@ BAD = [
         id="eval-split",
     ),
     pytest.param(
+        {"schedule_updates": 0},
+        "schedule_updates must be >= 1 \\(or None: the run's updates\\), got 0",
+        id="schedule-updates",
+    ),
+    pytest.param(
         {"env_kwargs": {"max_stepz": 3}},
         "env_kwargs=\\{'max_stepz': 3\\} do not fit the math_tir env",
         id="env-kwargs",
@@ -1101,6 +1106,25 @@ def test_bad_input_fails_before_any_work(overrides: dict[str, Any], message: str
     with pytest.raises(ConfigError, match=message):
         Trainer(run_config(tmp_path / "run", **{"model": "tiny", **overrides}), progress=False, log=QUIET)
     assert not (tmp_path / "run").exists()
+
+
+def test_schedule_updates_trains_the_first_updates_of_a_longer_schedule(tmp_path: Path) -> None:
+    """``schedule_updates`` spans the learning-rate schedule over a longer run than ``updates`` trains (SPO++
+    Table 2's C10 is the first ten updates of the preset's run): the first updates get that run's learning
+    rates, not a schedule squeezed into the updates trained."""
+    from streamrl.algorithms.placement import make_learner
+
+    model_dir = resolve_model("tiny")
+
+    def factors(**overrides: Any) -> list[float]:
+        config = run_config(tmp_path, **overrides)
+        learner = make_learner(config, load_model(model_dir), model_dir, pad_token_id=0)
+        return [learner.scheduler.lr_lambdas[0](step) for step in range(config.updates)]  # type: ignore[attr-defined]
+
+    longer = factors(updates=6)[:2]
+    assert factors(updates=2, schedule_updates=6) == longer
+    assert factors(updates=2) != longer  # the run's own schedule decays over its 2 updates
+    assert factors(updates=2)[1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2)))
 
 
 def test_resuming_with_another_config_fails(tmp_path: Path) -> None:
