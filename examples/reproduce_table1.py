@@ -108,7 +108,7 @@ def run_config(scale: str, env: str, algo: str, seed: int, out: Path, model: str
     return replace(base, learner=replace(base.learner, lr=0.0)) if lr0 else base
 
 
-def _seed_interval(values: list[float]) -> dict[str, Any]:
+def seed_interval(values: list[float]) -> dict[str, Any]:
     """Mean ± sample s.d. of per-seed values and their 95 % t interval over seeds (the seed is the unit when
     asking which algorithm to use: each seed is one independent run of each)."""
     spread = Spread.of(values).to_dict()
@@ -146,7 +146,7 @@ def table(out: Path, envs: list[str], seeds: list[int], algos: list[str], contro
                     "area": summary[a][area].to_dict(),
                     "end": summary[a]["final"].to_dict(),
                     "held_out_gain": gains[a],
-                    "held_out_gain_over_seeds": _seed_interval([g["mean"] for g in gains[a] if g]),
+                    "held_out_gain_over_seeds": seed_interval([g["mean"] for g in gains[a] if g]),
                 }
                 for a in algos
             },
@@ -160,8 +160,8 @@ def table(out: Path, envs: list[str], seeds: list[int], algos: list[str], contro
                 # paired_gain(start, end) is end − start on the same episodes: here ref − other
                 last.append({"update": min(ux, uy), **paired_gain(ey, ex).to_dict()} if ux == uy else None)
             row["differences"][f"{ref} - {other}"] = {
-                "area": _seed_interval(list(cmp.difference[area].values)),
-                "end": _seed_interval(list(cmp.difference["final"].values)),
+                "area": seed_interval(list(cmp.difference[area].values)),
+                "end": seed_interval(list(cmp.difference["final"].values)),
                 "last_evaluation_by_seed": last,
             }
             compare(

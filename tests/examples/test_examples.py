@@ -157,6 +157,13 @@ def test_reproduce_table2_ablates_the_normalization_only(tmp_path: Path) -> None
     printed = run_example(*args, "--seeds", "0", "1", cwd=tmp_path)
     result = json.loads((tmp_path / "runs/table2/table2.json").read_text())
     assert result["delta_c10"]["n"] == 2 and "paired difference" in printed
+    assert result["area_metric"] == "auc_mean"  # Table 1's area on Math-TIR
+    for name in ("c10", "area"):  # paired per seed, with the t interval over the 2 seeds
+        d = result[f"delta_{name}"]
+        pairs = zip(result[f"{name}_token"]["values"], result[f"{name}_trajectory"]["values"], strict=True)
+        assert d["values"] == pytest.approx([x - y for x, y in pairs])
+        half = 12.7062 * d["sd"] / 2**0.5  # t_{0.975, 1}
+        assert (d["ci_low"], d["ci_high"]) == pytest.approx((d["mean"] - half, d["mean"] + half), rel=1e-4)
     token, trajectory = (
         json.loads((tmp_path / f"runs/table2/{n}/math_tir/spo++-seed0/config.json").read_text())
         for n in ("token", "trajectory")
