@@ -177,15 +177,17 @@ def table(out: Path, envs: list[str], seeds: list[int], algos: list[str], contro
     return rows
 
 
-def markdown(rows: dict[str, Any]) -> str:
-    def pp(x: dict[str, Any], interval: bool = True) -> str:
-        if x["mean"] is None:
-            return "n/a"
-        text = f"{100 * x['mean']:+.2f}" + ("" if x["sd"] is None else f" ± {100 * x['sd']:.2f}")
-        if interval and x.get("ci_low") is not None:
-            text += f" [{100 * x['ci_low']:+.2f}, {100 * x['ci_high']:+.2f}]"
-        return text
+def pp(x: dict[str, Any], interval: bool = True) -> str:
+    """A ``seed_interval`` (or spread) in percentage points: ``mean ± s.d. [low, high]``."""
+    if x["mean"] is None:
+        return "n/a"
+    text = f"{100 * x['mean']:+.2f}" + ("" if x["sd"] is None else f" ± {100 * x['sd']:.2f}")
+    if interval and x.get("ci_low") is not None:
+        text += f" [{100 * x['ci_low']:+.2f}, {100 * x['ci_high']:+.2f}]"
+    return text
 
+
+def markdown(rows: dict[str, Any]) -> str:
     def gain(g: dict[str, Any] | None) -> str:
         return "–" if g is None else f"{g['mean']:+.3f} [{g['ci_low']:+.3f}, {g['ci_high']:+.3f}]"
 

@@ -30,7 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from reproduce_table1 import AREA, run_config, seed_interval  # Table 1's run settings per scale, its area
+from reproduce_table1 import AREA, pp, run_config, seed_interval  # Table 1's run settings, area and format
 from streamrl.algorithms.train import train
 from streamrl.evaluation.curves import BATCH, HELD_OUT, Curve, compare_curves, load_curve
 
@@ -105,17 +105,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "wall_s": round(time.perf_counter() - started, 1),
     }
     (a.out / "table2.json").write_text(json.dumps(result, indent=2))
-
-    def pp(d: dict[str, Any]) -> str:
-        sd = "" if d["sd"] is None else f" ± {100 * d['sd']:.2f}"
-        ci = "" if d["ci_low"] is None else f" [{100 * d['ci_low']:+.1f}, {100 * d['ci_high']:+.1f}]"
-        return f"{100 * d['mean']:+.2f}{sd}{ci} pp"
-
     print(
         f"{a.env}, {len(a.seeds)} seeds, C10 of {column}: token {cmp.a['c10'].mean:.3f}, "
-        f"trajectory {cmp.b['c10'].mean:.3f}, paired difference {pp(result['delta_c10'])}; "
+        f"trajectory {cmp.b['c10'].mean:.3f}, paired difference {pp(result['delta_c10'])} pp; "
         f"area ({area}) of updates 1-10: token {cmp.a[area].mean:.3f}, trajectory {cmp.b[area].mean:.3f}, "
-        f"paired difference {pp(result['delta_area'])} ({result['wall_s']:.0f} s)"
+        f"paired difference {pp(result['delta_area'])} pp ({result['wall_s']:.0f} s)"
     )
     return result
 
