@@ -16,10 +16,11 @@ import math
 import random
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from streamrl.agents.base import GenerationBackend, SamplingParams, derive_seed
 from streamrl.algorithms.placement import env_workers
@@ -88,9 +89,13 @@ class SideRollouts:
 
     @property
     def eval_tasks(self) -> list[str]:
-        """The fixed held-out episodes: every task of the split equally often (each ``n // tasks`` times), the
-        remainder drawn uniformly without replacement; the same list for every run with the same seed. Empty
-        when the run does not evaluate."""
+        """The fixed held-out episodes, by task, of the evaluations at the start and the end
+        (``final_eval_episodes``, or ``eval_episodes``); the evaluations in between play its first
+        ``eval_episodes`` (``curve_episodes``). Those are every task of the split equally often (each
+        ``n // tasks`` times), the remainder drawn uniformly without replacement; the rest extend them a task
+        played least so far at a time (ties in a seeded order), so the final episodes are as even over the tasks
+        as their number allows. The same list for every run with the same seed; empty when the run does not
+        evaluate."""
         if self._eval_tasks is None:
             c = self.config
             if not c.eval_episodes or not c.eval_every:
@@ -99,8 +104,16 @@ class SideRollouts:
                 ids = self.session("eval").task_ids
                 n = c.eval_episodes
                 rng = random.Random(derive_seed(c.seed, "eval-tasks"))
-                self._eval_tasks = ids * (n // len(ids)) + rng.sample(ids, n % len(ids))
+                curve = ids * (n // len(ids)) + rng.sample(ids, n % len(ids))
+                final = c.final_eval_episodes or n
+                order = random.Random(derive_seed(c.seed, "final-eval-tasks")).sample(ids, len(ids))
+                self._eval_tasks = extend_evenly(curve, order, final)
         return self._eval_tasks
+
+    @property
+    def curve_episodes(self) -> int:
+        """How many of ``eval_tasks`` the evaluations between the start and the end play (their first)."""
+        return min(self.config.eval_episodes, len(self.eval_tasks))
 
     def agent(self, temperature: float, seed: int) -> LLMAgent:
         """The policy being trained, sampling at ``temperature`` with run seed ``seed``, apart from training:
@@ -172,13 +185,17 @@ class SideRollouts:
         return cache_root() / "offline_values" / f"{model_dir.name}-{env}-{name}.json"
 
     # -- held-out evaluation -----------------------------------------------------------------------------------
-    def evaluate(self, update: int, version: int) -> dict[str, float]:
-        """Success on the fixed held-out tasks with the policy of ``version`` after ``update`` updates: writes
-        the episodes' records to the run directory and returns the ``eval/*`` metrics, with the paired
-        difference to the start's evaluation after the first update."""
+    def evaluate(self, update: int, version: int, *, final: bool = False) -> dict[str, float]:
+        """Success on the fixed held-out episodes with the policy of ``version`` after ``update`` updates: all of
+        ``eval_tasks`` at the start (update 0) and when ``final``, the curve's first ``curve_episodes`` between.
+        Writes the episodes' records to the run directory and returns the ``eval/*`` metrics over the curve's
+        episodes, with the paired difference to the start's evaluation of the same episodes after the first
+        update; with final episodes beyond the curve's, the start and the end add ``eval_full/*`` over all."""
         started = time.perf_counter()
+        full = update == 0 or final
+        tasks = self.eval_tasks if full else self.eval_tasks[: self.curve_episodes]
         # the same episode seeds at every version and in every run with this seed: paired comparisons
-        jobs = [Job(t, i) for i, t in enumerate(self.eval_tasks)]
+        jobs = [Job(t, i) for i, t in enumerate(tasks)]
         seed, desc = derive_seed(self.config.seed, "eval"), f"held-out eval (update {update})"
         done = self.play("eval", jobs, self.config.eval_temperature, seed, desc)
         records = [
@@ -193,26 +210,51 @@ class SideRollouts:
             for item in sorted(done, key=lambda item: item.job.key)
         ]
         self.files.write_eval(update, records)
-        wins = [float(r["won"]) for r in records]
-        p = sum(wins) / len(wins)
-        row = {
-            "eval/success": p,
-            "eval/stderr": math.sqrt(p * (1 - p) / len(wins)),
-            "eval/reward": sum(r["reward"] for r in records) / len(records),
-            "eval/episodes": float(len(records)),
-            "eval/tasks": float(len({r["task_id"] for r in records})),
-            "eval/version": float(version),
-            "eval/seconds": time.perf_counter() - started,
-        }
         start = self.files.read_eval(0) if update else None
-        if start is not None:
-            # paired with the start's evaluation: the same tasks and episode seeds, so the per-episode
-            # differences cancel most of the sampling noise
-            before = {r["key"]: r for r in start}
-            if before.keys() == {r["key"] for r in records}:
-                diffs = [float(r["won"]) - float(before[r["key"]]["won"]) for r in records]
-                row.update(paired_delta(diffs, [r["task_id"] for r in records]))
+        curve = [r for r in records if r["key"] < self.curve_episodes]
+        row = {**_success("eval", curve, start), "eval/version": float(version)}
+        if full and len(self.eval_tasks) > self.curve_episodes:
+            row.update(_success("eval_full", records, start))
+        row["eval/seconds"] = time.perf_counter() - started
         return row
+
+
+def extend_evenly(first: Sequence[str], order: Sequence[str], n: int) -> list[str]:
+    """``first`` extended to ``n`` tasks: each added task is one of ``order`` played least so far, the earliest in
+    ``order`` among equals (``first`` itself when ``n <= len(first)``)."""
+    out, counts = list(first), Counter(first)
+    while len(out) < n:
+        fewest = min(counts[t] for t in order)
+        for t in order:
+            if counts[t] == fewest and len(out) < n:
+                out.append(t)
+                counts[t] += 1
+    return out
+
+
+def _success(
+    prefix: str, records: Sequence[dict[str, Any]], start: Sequence[dict[str, Any]] | None
+) -> dict[str, float]:
+    """``{prefix}/success``, its binomial standard error, mean reward, episodes and tasks of ``records``, and,
+    given the start's evaluation, the paired difference to its records of the same keys (``paired_delta``)."""
+    wins = [float(r["won"]) for r in records]
+    p = sum(wins) / len(wins)
+    row = {
+        f"{prefix}/success": p,
+        f"{prefix}/stderr": math.sqrt(p * (1 - p) / len(wins)),
+        f"{prefix}/reward": sum(r["reward"] for r in records) / len(records),
+        f"{prefix}/episodes": float(len(records)),
+        f"{prefix}/tasks": float(len({r["task_id"] for r in records})),
+    }
+    if start is not None:
+        # paired with the start's evaluation: the same tasks and episode seeds, so the per-episode
+        # differences cancel most of the sampling noise
+        before = {r["key"]: r for r in start}
+        if all(r["key"] in before for r in records):
+            diffs = [float(r["won"]) - float(before[r["key"]]["won"]) for r in records]
+            delta = paired_delta(diffs, [r["task_id"] for r in records])
+            row.update({k.replace("eval/", f"{prefix}/"): v for k, v in delta.items()})
+    return row
 
 
 def paired_delta(diffs: Sequence[float], tasks: Sequence[str]) -> dict[str, float]:

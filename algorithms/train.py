@@ -265,7 +265,8 @@ class Trainer:
                     and self.eval_tasks
                     and (self.updates % c.eval_every == 0 or self.updates == c.updates)
                 ):
-                    row.update(self.side.evaluate(self.updates, self.tracker.version))
+                    final = self.updates == c.updates
+                    row.update(self.side.evaluate(self.updates, self.tracker.version, final=final))
                 log.write(row)
                 if c.checkpoint_every and self.updates % c.checkpoint_every == 0:
                     self._save_checkpoint()

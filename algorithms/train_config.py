@@ -107,6 +107,12 @@ class TrainConfig(ActionConstraint, RolloutFields):
     """Updates between held-out evaluations (0 = none); one runs before the first update and at the end."""
     eval_episodes: int = 64
     """Held-out episodes per evaluation: fixed tasks, drawn uniformly once per run."""
+    final_eval_episodes: int | None = None
+    """Held-out episodes of the two evaluations the run's paired gain compares, before the first update and at
+    the end (``None`` = ``eval_episodes``). The evaluations in between play the first ``eval_episodes`` of
+    them, and every evaluation's ``eval/*`` metrics are of those, so the curve stays paired with its start;
+    the ends add ``eval_full/*`` over all of them. A precise start-to-end comparison then costs two long
+    evaluations, not one per curve point (the demo: each test task once on the curve, four times at the ends)."""
     eval_split: str | None = None
     """Held-out split; ``None`` = the env's first evaluation split. Choose settings on the env's
     ``validation_split`` (ALFWorld: ``"validation"``, held-out training games) and keep the eval splits for the
@@ -261,6 +267,11 @@ class TrainConfig(ActionConstraint, RolloutFields):
         for name in ("max_staleness", "offline_rollouts", "eval_every", "eval_episodes", "checkpoint_every"):
             if getattr(c, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(c, name)}")
+        if c.final_eval_episodes is not None and c.final_eval_episodes < c.eval_episodes:
+            raise ConfigError(
+                f"final_eval_episodes={c.final_eval_episodes} must be >= eval_episodes={c.eval_episodes} (the "
+                "curve's evaluations play the first eval_episodes of the final ones), or None"
+            )
         if c.learner.sharding == "fsdp" and c.learner_ranks < 2:
             raise ConfigError(
                 f"learner.sharding='fsdp' shards the policy over learner ranks: it needs learner_ranks >= 2, got "

@@ -364,8 +364,12 @@ def held_out_gain(run: str | Path) -> dict[str, Any] | None:
     evals = files.evaluations() if files.evals.is_dir() and any(files.evals.iterdir()) else {}
     if len(evals) < 2 or len({r["task_id"] for r in evals[min(evals)]}) < 2:
         return None
+    last = evals[max(evals)]
+    keys = {r["key"] for r in last}
+    # an evaluation between the ends (a run stopped early) plays the first of the start's episodes
+    first = [r for r in evals[min(evals)] if r["key"] in keys]
     try:
-        return paired_gain(evals[min(evals)], evals[max(evals)]).to_dict()
+        return paired_gain(first, last).to_dict()
     except ValueError:  # the evaluations played different episodes (a run resumed with other settings)
         return None
 

@@ -59,6 +59,7 @@ from streamrl.algorithms.learner import (
     training_rows,
 )
 from streamrl.algorithms.runtime import Job, Rollouts, collect
+from streamrl.algorithms.side_rollouts import extend_evenly
 from streamrl.algorithms.tracker import EventTracker, Ticket
 from streamrl.algorithms.train import ConfigError, PublishError, TrainConfig, Trainer
 from streamrl.utils.stats import clustered_t_interval, t_interval
@@ -608,6 +609,54 @@ def test_held_out_evaluation_is_paired_across_versions(lr: float, primed: Path, 
             assert rows[update]["eval/delta"] == 0.0 and rows[update]["eval/delta_ci95"] == 0.0
 
 
+def test_the_ends_play_more_episodes_than_the_curve(primed: Path, tmp_path: Path) -> None:
+    """``final_eval_episodes``: the start and the end play all of them, the evaluation between the first
+    ``eval_episodes`` (so its paired difference is to the start's same episodes); ``eval/*`` are over those,
+    ``eval_full/*`` over all, and the run's gain and the demo report compare the ends on all of them."""
+    from streamrl.cli.demo import write_report
+    from streamrl.evaluation.compare import held_out_gain
+    from streamrl.evaluation.curves import read_metrics
+
+    config = run_config(
+        tmp_path / "run", primed, algo="spo", updates=2, eval_every=1, eval_episodes=3, final_eval_episodes=8,
+        learner=LearnerConfig(lr=1e-2),
+    )  # fmt: skip
+    run = train(config)
+    evals = read_evals(run.trainer.run_dir)
+    episodes = {u: [(r["key"], r["task_id"]) for r in records] for u, records in evals.items()}
+    assert sorted(episodes) == [0, 1, 2] and len(episodes[0]) == 8
+    assert episodes[2] == episodes[0] and episodes[1] == episodes[0][:3]
+    split = run.trainer.side.session("eval").task_ids
+    counts = Counter(t for _, t in episodes[0])
+    assert max(counts.values()) - min(counts[t] for t in split) <= 1  # as even over the tasks as 8 allows
+    rows = {r["update"]: r for r in read_metrics(run.trainer.run_dir) if "eval/success" in r}
+    won = {u: {r["key"]: float(r["won"]) for r in records} for u, records in evals.items()}
+    assert all(rows[u]["eval/episodes"] == 3 for u in (0, 1, 2))
+    assert rows[1]["eval/delta"] == pytest.approx(sum(won[1][k] - won[0][k] for k in range(3)) / 3)
+    assert rows[2]["eval/success"] == pytest.approx(sum(won[2][k] for k in range(3)) / 3)
+    assert "eval_full/success" not in rows[1]
+    assert rows[0]["eval_full/episodes"] == rows[2]["eval_full/episodes"] == 8
+    full_delta = sum(won[2][k] - won[0][k] for k in range(8)) / 8
+    assert rows[2]["eval_full/delta"] == pytest.approx(full_delta)
+    gain = held_out_gain(run.trainer.run_dir)
+    assert gain is not None and gain["n"] == 8 and gain["mean"] == pytest.approx(full_delta)
+    report = write_report(run.trainer.run_dir)
+    assert report["curve_episodes"] == 3 and report["end"]["episodes"] == 8
+    assert [v for _, v, _ in report["held_out_curve"]] == pytest.approx(
+        [rows[u]["eval/success"] for u in (0, 1, 2)]
+    )
+    assert report["paired_gain"]["mean"] == pytest.approx(full_delta)
+
+
+def test_extend_evenly_keeps_the_prefix_and_evens_the_counts() -> None:
+    order = ["c", "a", "b", "d"]
+    assert extend_evenly(["a", "a"], order, 2) == ["a", "a"]
+    assert extend_evenly(["a", "a"], order, 5) == ["a", "a", "c", "b", "d"]
+    out = extend_evenly(["b"], order, 10)
+    assert out[:1] == ["b"] and sorted(Counter(out).values()) == [2, 2, 3, 3]
+    assert out[1:4] == ["c", "a", "d"]  # the tasks played least first, in the seeded order
+
+
 # ---------------------------------------------------------------------------------------------------------
 # 8. Publication pitfalls
 # ---------------------------------------------------------------------------------------------------------
@@ -1016,6 +1065,11 @@ BAD = [
         {"algo": "spo", "batch": 1}, "batch=1 is too small for spo: .* needs batch >= 2", id="spo-batch-1"
     ),
     pytest.param({"temperature": 0.0}, "temperature must be > 0.*got 0.0", id="temperature-0"),
+    pytest.param(
+        {"eval_episodes": 8, "final_eval_episodes": 4},
+        "final_eval_episodes=4 must be >= eval_episodes=8",
+        id="final-eval-below-curve",
+    ),
     pytest.param(
         {"keep_versions": 1, "max_staleness": 2},
         "keep_versions=1 must be >= max_staleness \\+ 1 = 3",

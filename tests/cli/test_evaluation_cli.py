@@ -225,16 +225,19 @@ def test_demo_trains_evaluates_paired_and_reports(tmp_path: Path, capsys: pytest
     printed = capsys.readouterr().out
     summary = json.loads((out / "demo.json").read_text())
     assert summary["start"]["update"] == 0 and summary["end"]["update"] == 2
-    assert summary["start"]["episodes"] == summary["paired_gain"]["n"] == 6
+    # the ends play 4 x 6 episodes (the default final_eval_factor), the curve the first 6 at every update
+    assert (
+        summary["start"]["episodes"] == summary["paired_gain"]["n"] == 24 and summary["curve_episodes"] == 6
+    )
     assert [u for u, _, _ in summary["held_out_curve"]] == [0, 1, 2]
     assert summary["paired_gain"]["mean"] == pytest.approx(
         summary["end"]["success"] - summary["start"]["success"]
     )
-    # the 6 held-out episodes are 6 distinct tasks: clustered by task, the interval is the episodes' one
+    # the 24 held-out episodes are 24 distinct tasks: clustered by task, the interval is the episodes' one
     gain, by_episode = summary["paired_gain"], summary["paired_gain_episode"]
-    assert (gain["tasks"], summary["start"]["tasks"], by_episode["n"]) == (6, 6, 6)
+    assert (gain["tasks"], summary["start"]["tasks"], by_episode["n"]) == (24, 24, 24)
     assert (gain["ci_low"], gain["ci_high"]) == pytest.approx((by_episode["ci_low"], by_episode["ci_high"]))
-    assert "paired gain on the same 6 episodes of 6 tasks" in printed
+    assert "paired gain on the same 24 episodes of 24 tasks" in printed
     report = (out / "report.md").read_text()
     assert "![learning curves](demo.png)" in report and (out / "demo.png").stat().st_size > 10_000
     metrics = (out / "metrics.jsonl").read_text()
