@@ -206,16 +206,19 @@ def write_report(run: str | Path) -> dict[str, Any]:
 
     # The curve's evaluations play the first of the ends' episodes (TrainConfig.final_eval_episodes): every
     # point of the curve is over the episodes all evaluations share, the ends' comparison over all of theirs.
+    # A run stopped before its end compares its last curve evaluation with the start's same episodes.
     shared = set.intersection(*({r["key"] for r in recs} for recs in evals.values()))
     on_curve = {u: [r for r in recs if r["key"] in shared] for u, recs in sorted(evals.items())}
-    gain = paired_gain(evals[first], evals[last]) if last != first else None
+    end_keys = {r["key"] for r in evals[last]}
+    start = [r for r in evals[first] if r["key"] in end_keys]
+    gain = paired_gain(start, evals[last]) if last != first else None
     summary: dict[str, Any] = {
         "run": str(run),
-        "start": {"update": first, **rate(evals[first])},
+        "start": {"update": first, **rate(start)},
         "end": {"update": last, **rate(evals[last])},
         "paired_gain": gain.to_dict() if gain is not None else None,
         "paired_gain_episode": (
-            paired_gain_by_episode(evals[first], evals[last]).to_dict() if last != first else None
+            paired_gain_by_episode(start, evals[last]).to_dict() if last != first else None
         ),
         # [update, success, half-width of the 95 % interval (clustered by task) of its difference to the start]
         "held_out_curve": [

@@ -646,6 +646,14 @@ def test_the_ends_play_more_episodes_than_the_curve(primed: Path, tmp_path: Path
         [rows[u]["eval/success"] for u in (0, 1, 2)]
     )
     assert report["paired_gain"]["mean"] == pytest.approx(full_delta)
+    # stopped before its final evaluation: the last curve evaluation against the start's same episodes
+    (run.trainer.run_dir / "evals" / "update-00002.jsonl").unlink()
+    curve_delta = sum(won[1][k] - won[0][k] for k in range(3)) / 3
+    gain = held_out_gain(run.trainer.run_dir)
+    assert gain is not None and gain["n"] == 3 and gain["mean"] == pytest.approx(curve_delta)
+    report = write_report(run.trainer.run_dir)
+    assert report["start"]["episodes"] == report["paired_gain"]["n"] == 3
+    assert report["paired_gain"]["mean"] == pytest.approx(curve_delta)
 
 
 def test_extend_evenly_keeps_the_prefix_and_evens_the_counts() -> None:
