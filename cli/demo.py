@@ -35,7 +35,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from streamrl.algorithms.run_dir import RunDir
-from streamrl.evaluation.compare import held_out_evaluations, paired_gain, paired_gain_by_episode
+from streamrl.evaluation.compare import (
+    held_out_ends,
+    held_out_evaluations,
+    paired_gain,
+    paired_gain_by_episode,
+)
 from streamrl.utils.stats import clustered_wilson_interval, wilson_interval
 
 DEMO_COLD_START: Mapping[str, Any] = {"stop_above": 0.25, "restart_below": 0.25}
@@ -154,7 +159,7 @@ def run_demo(config: DemoConfig, log: Callable[[str], None] = print) -> dict[str
     started = time.perf_counter()
     train_config = config.train_config()
     resume = RunDir(config.out).is_run()
-    final = config.eval_episodes * config.final_eval_factor
+    final = train_config.final_eval_episodes
     ends = f" ({final} at the start and the end)" if config.final_eval_factor > 1 else ""
     log(
         f"streamrl demo: SPO++ on Math-TIR, tiny from its SFT checkpoint, {config.updates} updates of "
@@ -206,11 +211,9 @@ def write_report(run: str | Path) -> dict[str, Any]:
 
     # The curve's evaluations play the first of the ends' episodes (TrainConfig.final_eval_episodes): every
     # point of the curve is over the episodes all evaluations share, the ends' comparison over all of theirs.
-    # A run stopped before its end compares its last curve evaluation with the start's same episodes.
     shared = set.intersection(*({r["key"] for r in recs} for recs in evals.values()))
     on_curve = {u: [r for r in recs if r["key"] in shared] for u, recs in sorted(evals.items())}
-    end_keys = {r["key"] for r in evals[last]}
-    start = [r for r in evals[first] if r["key"] in end_keys]
+    start = held_out_ends(evals)[0]  # a run stopped before its end: the start's episodes its last one played
     gain = paired_gain(start, evals[last]) if last != first else None
     summary: dict[str, Any] = {
         "run": str(run),

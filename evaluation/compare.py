@@ -328,6 +328,17 @@ def held_out_evaluations(run: str | Path) -> dict[int, list[dict[str, Any]]]:
     return RunDir(run).evaluations()
 
 
+def held_out_ends(
+    evals: Mapping[int, Sequence[Mapping[str, Any]]],
+) -> tuple[list[Mapping[str, Any]], list[Mapping[str, Any]]]:
+    """A run's first and last held-out evaluations (``held_out_evaluations``) on the episodes the last played: the
+    start's records of the last's keys, since an evaluation between the ends (a run stopped before its final one,
+    ``TrainConfig.final_eval_episodes``) plays the first of the start's episodes."""
+    last = list(evals[max(evals)])
+    keys = {r["key"] for r in last}
+    return [r for r in evals[min(evals)] if r["key"] in keys], last
+
+
 def _paired(
     start: Sequence[Mapping[str, Any]], end: Sequence[Mapping[str, Any]]
 ) -> tuple[list[float], list[str]]:
@@ -364,12 +375,8 @@ def held_out_gain(run: str | Path) -> dict[str, Any] | None:
     evals = files.evaluations() if files.evals.is_dir() and any(files.evals.iterdir()) else {}
     if len(evals) < 2 or len({r["task_id"] for r in evals[min(evals)]}) < 2:
         return None
-    last = evals[max(evals)]
-    keys = {r["key"] for r in last}
-    # an evaluation between the ends (a run stopped early) plays the first of the start's episodes
-    first = [r for r in evals[min(evals)] if r["key"] in keys]
     try:
-        return paired_gain(first, last).to_dict()
+        return paired_gain(*held_out_ends(evals)).to_dict()
     except ValueError:  # the evaluations played different episodes (a run resumed with other settings)
         return None
 
