@@ -103,6 +103,9 @@ class DemoConfig:
     ``"preset"``: Math-TIR's preset (``SFTConfig.math_tir()``, what ``streamrl train`` starts from)."""
     tasks: int | None = None
     """Train on the first N Math-TIR training tasks (``None`` = all)."""
+    extra_tasks: int = 0
+    """Train on this many more generated problems of the SFT families besides the training split's 271
+    (``MathTIRConfig.extra_train``; never a test problem)."""
     max_new_tokens: int | None = None
     """Tokens per turn; ``None`` = Math-TIR's default."""
 
@@ -110,6 +113,10 @@ class DemoConfig:
         for name in ("updates", "batch", "num_envs", "eval_every", "eval_episodes", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.extra_tasks < 0:
+            raise ValueError(
+                f"extra_tasks must be >= 0 (0: the training split's own tasks), got {self.extra_tasks}"
+            )
         if self.final_eval_factor < 1:
             raise ValueError(
                 f"final_eval_factor must be >= 1 (1: the ends play eval_episodes too), got {self.final_eval_factor}"
@@ -132,6 +139,7 @@ class DemoConfig:
             init=self.init,
             sft=dict(DEMO_COLD_START) if self.init == "sft" and self.cold_start == "demo" else {},
             tasks=self.tasks,
+            env_kwargs={"extra_train": self.extra_tasks} if self.extra_tasks else {},
             max_new_tokens=self.max_new_tokens,
             updates=self.updates,
             batch=self.batch,

@@ -50,6 +50,7 @@ __all__ = [
     "TaskOrigin",
     "cot_to_program",
     "custom_tasks",
+    "extra_training_tasks",
     "gsm_symbolic_tasks",
     "procedural_records",
     "procedural_tasks",
@@ -97,6 +98,11 @@ GSM_TRAIN_SEED = 42
 GSM_TEST_SEED = 20_260_101
 PROCEDURAL_TRAIN_SEED = 0
 PROCEDURAL_TEST_SEED = 1_000_003
+EXTRA_TRAIN_SEED = 5000
+"""Seed of :func:`extra_training_tasks`' draw (none of ``SFT_POOLS``' seeds)."""
+EXTRA_TRAIN_MAX = 10_000
+"""Most extra training tasks: the SFT families hold finitely many distinct problems (``combin`` about 50), and a
+draw beyond what they hold would never end."""
 
 
 @dataclass(frozen=True)
@@ -250,6 +256,24 @@ def synthetic_procedural(n: int, seed: int) -> tuple[MathTask, ...]:
         raise ValueError(f"the number of synthetic tasks must be >= 0, got {n}")
     held_out = frozenset(t.question for t in procedural_tasks("test"))
     return procedural_records(_sft_draw(seed, n, held_out), f"sft-synthetic/{seed}/", "train")
+
+
+@functools.lru_cache(maxsize=4)
+def extra_training_tasks(n: int) -> tuple[MathTask, ...]:
+    """``n`` more training problems of ``MATH_SFT_FAMILIES`` for RL (``MathTIRConfig.extra_train``): a draw with
+    ``EXTRA_TRAIN_SEED`` that avoids every ``test`` and ``train`` question and every generated SFT problem of
+    ``SFT_POOLS``, so each is a distinct task the cold start never saw (``"procedural/train-extra/<index>"`` ids,
+    split ``"train"``). The draw is sequential, so ``n`` takes a prefix of a larger draw: the same ids name the
+    same problems at every ``n``."""
+    if not isinstance(n, int) or not 0 <= n <= EXTRA_TRAIN_MAX:
+        raise ValueError(
+            f"the number of extra training tasks must be an int in [0, {EXTRA_TRAIN_MAX}], got {n!r}"
+        )
+    if n == 0:
+        return ()
+    test = frozenset(t.question for t in procedural_tasks("test"))
+    raw = _sft_draw(EXTRA_TRAIN_SEED, n, test | _train_questions() | _sft_pool_questions())
+    return procedural_records(raw, "procedural/train-extra/", "train", digits=5)
 
 
 def procedural_records(

@@ -34,7 +34,17 @@ from typing import Any
 from gymnasium import spaces
 from streamrl.envs.base import TextEnv
 from streamrl.envs.math_answer import answers_equal, extract_boxed, grading_sandbox
-from streamrl.envs.math_tasks import SOURCES, SPLITS, MathTask, Source, Split, custom_tasks, task_set
+from streamrl.envs.math_tasks import (
+    EXTRA_TRAIN_MAX,
+    SOURCES,
+    SPLITS,
+    MathTask,
+    Source,
+    Split,
+    custom_tasks,
+    extra_training_tasks,
+    task_set,
+)
 from streamrl.envs.sandbox import (
     SandboxConfig,
     SandboxPool,
@@ -77,6 +87,11 @@ class MathTIRConfig:
     problems, 3,000 ``procedural`` ones, 600 ``mixed``)."""
     size: int | None = None
     """Use only the first ``size`` tasks of the split (``None`` = all)."""
+    extra_train: int = 0
+    """On the ``train`` split, this many more problems after its first ``size``: fresh draws of the SFT families
+    (:func:`~streamrl.envs.math_tasks.extra_training_tasks`), none of them a train or test problem. More distinct
+    tasks for RL at the same budget of episodes: the train split has 271 of those families. The ``test`` split
+    ignores it, so one ``env_kwargs`` serves a run's training and held-out envs. Ignored with custom ``tasks``."""
     max_tool_calls: int = 8
     """Code blocks run per episode (ToRL's cap); later ones are refused with an explanation."""
     max_turns: int = 10
@@ -102,6 +117,10 @@ class MathTIRConfig:
             raise ValueError(f"source={self.source!r} is unknown; valid sources are {SOURCES}")
         if self.split not in SPLITS:
             raise ValueError(f"split={self.split!r} is unknown; valid splits are {SPLITS}")
+        if not isinstance(self.extra_train, int) or not 0 <= self.extra_train <= EXTRA_TRAIN_MAX:
+            raise ValueError(
+                f"extra_train must be an int in [0, {EXTRA_TRAIN_MAX}] (0: the split's own tasks), got {self.extra_train!r}"
+            )
         if self.max_tool_calls < 0:
             raise ValueError(f"max_tool_calls must be >= 0, got {self.max_tool_calls}")
         if self.max_turns <= self.max_tool_calls:
@@ -214,7 +233,8 @@ class MathTIREnv(TextEnv):
     def _load_tasks(self, tasks: Iterable[Any] | None) -> tuple[MathTask, ...]:
         c = self.config
         if tasks is None:
-            return task_set(c.source, c.split, c.size)
+            extra = extra_training_tasks(c.extra_train) if c.split == "train" else ()
+            return task_set(c.source, c.split, c.size) + extra
         items = list(tasks)
         if items and all(isinstance(t, MathTask) for t in items):
             loaded: tuple[MathTask, ...] = tuple(items)

@@ -283,6 +283,11 @@ def test_the_demo_starts_from_a_shipped_checkpoint(
         starts.append(path.name)
     assert starts[0] != starts[1]
     assert DemoConfig(init="base").train_config().sft == {}
+    # extra training tasks reach the env; none keeps the env_kwargs (and the offline values' cache key) as before
+    assert DemoConfig(extra_tasks=500).train_config().env_kwargs == {"extra_train": 500}
+    assert DemoConfig().train_config().env_kwargs == {}
+    with pytest.raises(ValueError, match=r"extra_tasks must be >= 0.*got -3"):
+        DemoConfig(extra_tasks=-3)
     # `streamrl train` reaches the demo's start with the config file docs/training.md shows
     yaml = tmp_path / "run.yaml"
     yaml.write_text("init: sft\nsft: {stop_above: 0.25, restart_below: 0.25}\n")

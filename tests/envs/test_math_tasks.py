@@ -58,6 +58,34 @@ def test_the_procedural_test_split_grew_without_moving_a_problem_or_the_shipped_
         math_tasks.synthetic_procedural(-1, 0)
 
 
+def test_extra_training_tasks_are_new_distinct_problems_that_only_the_train_split_gets() -> None:
+    import gymnasium as gym
+    import streamrl.envs  # noqa: F401  (registers the envs)
+
+    extra = math_tasks.extra_training_tasks(600)
+    questions = [t.question for t in extra]
+    assert len(set(questions)) == 600
+    known = {t.question for split in ("train", "test") for t in procedural_tasks(split)}
+    assert known.isdisjoint(questions)  # neither a training problem again nor a held-out one,
+    pools = {t.question for seed, n in math_tasks.SFT_POOLS for t in math_tasks.synthetic_procedural(n, seed)}
+    assert pools.isdisjoint(questions)  # nor one of the cold start's expert problems
+    assert {t.meta["family"] for t in extra} <= set(math_tasks.MATH_SFT_FAMILIES)
+    assert [t.task_id for t in extra[:3]] == [f"procedural/train-extra/0000{i}" for i in range(3)]
+    assert math_tasks.extra_training_tasks(40) == extra[:40]  # ids name the same problems at every n
+
+    def tasks(split: str, **kw: object) -> list[str]:
+        env = gym.make("streamrl/MathTIR-v0", source="procedural", split=split, **kw)
+        ids = [t.task_id for t in env.unwrapped.tasks]
+        env.close()
+        return ids
+
+    assert tasks("train", size=5, extra_train=3) == tasks("train", size=5) + [t.task_id for t in extra[:3]]
+    assert tasks("test", extra_train=3) == tasks("test")  # one env_kwargs serves training and held-out envs
+    for bad in (-1, math_tasks.EXTRA_TRAIN_MAX + 1):  # more than the families hold would draw forever
+        with pytest.raises(ValueError, match=rf"extra_train must be an int in \[0, 10000\].*got {bad}"):
+            tasks("train", extra_train=bad)
+
+
 def test_task_ids_name_the_same_problem_on_every_build() -> None:
     # Oracles from reasoning-gym 0.1.25 (seed 42) and our generator (seed 0): ids are part of the API.
     assert gsm_symbolic_tasks("train")[0].question.startswith("There are 12 students playing basketball")
