@@ -105,7 +105,8 @@ class DemoConfig:
     """Train on the first N Math-TIR training tasks (``None`` = all)."""
     extra_tasks: int = 0
     """Train on this many more generated problems of the SFT families besides the training split's 271
-    (``MathTIRConfig.extra_train``; never a test problem)."""
+    (``MathTIRConfig.extra_train``; never a test problem). 0 by default: 500 more gained no more held out and cost
+    a fresh clone their offline values (docs/training.md, "The demo")."""
     max_new_tokens: int | None = None
     """Tokens per turn; ``None`` = Math-TIR's default."""
 
