@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from streamrl.algorithms.train import TrainConfig
-from streamrl.cli.demo import DemoConfig
+from streamrl.cli.demo import DEMO_60_UPDATES, DemoConfig
 from streamrl.evaluation.compare import held_out_gain
 
 RESULTS = Path(__file__).resolve().parent / "results" / "learning"
@@ -45,8 +45,6 @@ CANDIDATES = [  # (lr, rank, alpha): LoRA usually wants a larger step than full 
     (3e-3, 16, 32),
     (1e-3, 64, 128),
 ]
-DEMO_AS_MEASURED: dict[str, Any] = {"updates": 60, "final_eval_factor": 1}
-"""The demo's run as this benchmark measured it (since then the demo trains 40 updates, its ends four times as long)."""
 TRAIN_TASKS = 271  # Math-TIR training tasks in the SFT families: each played once per selection evaluation
 
 _TRAIN = "import json, sys; from streamrl.algorithms.train import TrainConfig, train; " + (
@@ -58,7 +56,7 @@ def lora_config(out: Path, seed: int, lr: float, rank: int, alpha: int, **demo: 
     """The demo's run at ``seed`` with a LoRA adapter, one torch thread (two runs share a 2-core machine)."""
     return DemoConfig(
         out=out, seed=seed, threads=1, progress=False, finetune="lora", lr=lr, lora_rank=rank, lora_alpha=alpha,
-        **{**DEMO_AS_MEASURED, **demo},
+        **{**DEMO_60_UPDATES, **demo},
     ).train_config()  # fmt: skip
 
 
@@ -143,7 +141,7 @@ def confirm(
     if a.train_full:
         jobs += [
             DemoConfig(
-                out=a.full / f"spo++-seed{s}", seed=s, threads=1, progress=False, **DEMO_AS_MEASURED
+                out=a.full / f"spo++-seed{s}", seed=s, threads=1, progress=False, **DEMO_60_UPDATES
             ).train_config()
             for s in a.seeds
         ]

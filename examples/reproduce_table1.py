@@ -82,9 +82,6 @@ TINY: dict[str, Any] = {
     "offline_rollouts": 1,
 }
 TINY |= {"eval_every": 1, "eval_episodes": 4, "max_new_tokens": 16, "env_workers": "inprocess"}
-TABLE1_DEMO: dict[str, Any] = {"updates": 60, "final_eval_factor": 1}
-"""``--scale cpu`` on Math-TIR: the demo's run as it was when Table 1 was measured (since then the demo trains 40
-updates and plays its ends four times as long)."""
 TINY_ENV: dict[str, dict[str, Any]] = {"alfworld": {"env_kwargs": {"max_steps": 3}}, "math_tir": {}}
 
 
@@ -94,10 +91,10 @@ def run_config(scale: str, env: str, algo: str, seed: int, out: Path, model: str
     algo, lr0 = ("spo++", True) if algo == CONTROL else (algo, False)
     run = str(out / env / f"{name}-seed{seed}")
     if scale == "cpu" and env == "math_tir":
-        from streamrl.cli.demo import DemoConfig
+        from streamrl.cli.demo import DEMO_60_UPDATES, DemoConfig
 
         # the demo's run as Table 1 measured it (docs/evaluation.md): 60 updates, each evaluation 405 episodes
-        demo = DemoConfig(out=Path(run), seed=seed, threads=1, progress=False, **TABLE1_DEMO)
+        demo = DemoConfig(out=Path(run), seed=seed, threads=1, progress=False, **DEMO_60_UPDATES)
         base = demo.train_config()
         base = replace(base, algo=algo)
     else:
