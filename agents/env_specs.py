@@ -103,6 +103,13 @@ class EnvSpec:
     """``(expert action, info, rng) -> command``: a near miss of the expert's action that the env rejects (the
     state stays as it was), for the slip-and-recover demonstrations of ``SFTConfig.expert_slips``; ``None``
     from the callable when the action has no such near miss, ``None`` here when the env has none."""
+    envs_per_worker: int = 1
+    """Sub-envs one env worker process hosts unless a run says otherwise (``envs_per_worker`` of the train, eval
+    and value-pretraining configs). Every worker pays a start-up (an interpreter, the package, the env's own
+    processes such as Math-TIR's tool sandboxes); the sub-envs of one worker share it but step one at a time, and
+    a crash or hang of the worker ends all of their episodes (each comes back marked). More than 1 suits an env
+    whose steps take milliseconds and whose workers are costly to start; 1 (the default) one whose steps are
+    slow or may hang."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.gym_id, str) or not self.gym_id:
@@ -122,6 +129,8 @@ class EnvSpec:
                 f"prompt {prompt!r} made {made!r}, not a PromptFormat (it needs name, stop_strings, "
                 "system_prompt, user_message and parse_action: streamrl.agents.prompts.PromptFormat)"
             )
+        if not isinstance(self.envs_per_worker, int) or self.envs_per_worker < 1:
+            raise ValueError(f"envs_per_worker must be an int >= 1, got {self.envs_per_worker!r}")
         eval_splits = self.eval_splits
         if (
             isinstance(eval_splits, str)
@@ -320,6 +329,12 @@ ENV_SPECS: dict[str, EnvSpec] = {
         task_filter=_math_family_filter,
         synthetic_tasks=_math_synthetic_tasks,
         held_out_tasks=_math_held_out_tasks,
+        # A step is a parse and at most one sandboxed snippet (milliseconds; 5 s at most, the sandbox's limit),
+        # while a worker's start-up (the interpreter and package, then a tool and a grading sandbox, each
+        # importing sympy and numpy) costs 2-3 CPU-seconds: eight sub-envs share one, a session's first
+        # evaluation then starts 1.7x sooner and a warm one plays as fast (benchmarks/bench_env_hosting.py,
+        # docs/training.md)
+        envs_per_worker=8,
     ),
 }
 

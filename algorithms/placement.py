@@ -79,11 +79,12 @@ def make_backend(config: TrainConfig, model_dir: Path, tokenizer: Any) -> Any:
 
 def env_workers(config: TrainConfig) -> VectorEnvConfig:
     """How the sub-envs are hosted (``VectorEnvConfig``): local worker processes, or Ray actors."""
+    from streamrl.algorithms.session import env_hosting
     from streamrl.envs.vector import VectorEnvConfig
 
     c = config
     if c.cluster == "local":
-        return VectorEnvConfig(backend=c.env_workers)
+        return env_hosting(c.env, c.env_workers, c.envs_per_worker)
     per_actor = c.num_envs // (c.env_actors or c.num_envs)
     return VectorEnvConfig(
         backend="ray", envs_per_worker=per_actor, ray_actor_options={"num_cpus": c.env_actor_cpus}

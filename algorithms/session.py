@@ -47,6 +47,11 @@ class RolloutFields:
     ``None`` = all."""
     max_new_tokens: int | None = None
     """Tokens per turn; ``None`` = the env's default (``streamrl eval`` of a run: the run's own)."""
+    envs_per_worker: int | None = None
+    """Sub-envs one env worker process hosts; ``None`` = the env's default (``EnvSpec.envs_per_worker``: 8 for
+    Math-TIR, 1 for ALFWorld). A worker's sub-envs share its start-up and step one at a time; a crash or hang
+    of the worker ends all of their episodes, each returned marked. Where they run, not what they play: the
+    same jobs give the same episodes at any value."""
 
     def rollout_errors(self) -> list[str]:
         """What is wrong with these fields (empty when nothing), each message naming the value and what is
@@ -56,6 +61,10 @@ class RolloutFields:
             errors.append(f"num_envs must be >= 1, got {self.num_envs}")
         if self.tasks is not None and self.tasks < 1:
             errors.append(f"tasks must be >= 1 (or None: all), got {self.tasks}")
+        if self.envs_per_worker is not None and self.envs_per_worker < 1:
+            errors.append(
+                f"envs_per_worker must be >= 1 (or None: the env's default), got {self.envs_per_worker}"
+            )
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             errors.append(
                 f"max_new_tokens must be >= 1 (or None: the env's default), got {self.max_new_tokens}"
@@ -85,6 +94,15 @@ class ActionConstraint:
         return []
 
 
+def env_hosting(env: str, backend: str = "subprocess", envs_per_worker: int | None = None) -> VectorEnvConfig:
+    """How the sub-envs of ``env`` are hosted: ``backend`` workers (``"subprocess"`` or ``"inprocess"``) of
+    ``envs_per_worker`` sub-envs each, ``None`` meaning the env's default (``EnvSpec.envs_per_worker``)."""
+    from streamrl.envs.vector import VectorEnvConfig
+
+    per = env_spec(env).envs_per_worker if envs_per_worker is None else envs_per_worker
+    return VectorEnvConfig(backend=backend, envs_per_worker=per)  # type: ignore[arg-type]
+
+
 def task_attributes(env: Any) -> dict[str, dict[str, str]]:
     """Breakdown attributes of each task an env's task records carry: ``source`` and ``family`` (Math-TIR's
     ``MathTask.source`` and ``meta["family"]``); envs without task records have none."""
@@ -103,7 +121,8 @@ def task_attributes(env: Any) -> dict[str, dict[str, str]]:
 class RolloutSession:
     """Plays jobs on ``split`` of env ``env`` (module doc).
 
-    ``num_envs`` sub-envs, hosted as ``workers`` says (default: one subprocess each), each built with the spec's
+    ``num_envs`` sub-envs, hosted as ``workers`` says (default: ``env_hosting(env)``, subprocesses of the env's
+    ``EnvSpec.envs_per_worker`` sub-envs each), each built with the spec's
     env kwargs and then ``env_kwargs``.
     """
 
@@ -203,12 +222,12 @@ class RolloutSession:
         if self.closed:
             raise RuntimeError(f"the rollout session of {self.env} {self.split} is closed")
         if self._venv is None:
-            from streamrl.envs.vector import StreamingVectorEnv, VectorEnvConfig
+            from streamrl.envs.vector import StreamingVectorEnv
 
             self._venv = StreamingVectorEnv.from_env(
                 self.spec.gym_id,
                 self.num_envs,
-                config=self.workers or VectorEnvConfig(),
+                config=self.workers or env_hosting(self.env),
                 **self.spec.make_kwargs(self.split, **self.env_kwargs),
             )
         return self._venv

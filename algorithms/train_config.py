@@ -334,7 +334,8 @@ class TrainConfig(ActionConstraint, RolloutFields):
             changed = sorted(
                 k
                 for k in set(saved) | set(mine)
-                if saved.get(k) != mine.get(k) and k not in ("updates", "learner_ranks", *PLACEMENT)
+                if saved.get(k) != mine.get(k)
+                and k not in ("updates", "learner_ranks", "envs_per_worker", *PLACEMENT)
             )
             if changed:
                 diffs = ", ".join(f"{k}: {saved.get(k)!r} -> {mine.get(k)!r}" for k in changed)
@@ -355,6 +356,11 @@ class TrainConfig(ActionConstraint, RolloutFields):
         if c.env_workers == "inprocess":
             raise ConfigError(
                 "env_workers='inprocess' is for cluster='local'; with cluster='ray' envs run in Ray actors"
+            )
+        if c.envs_per_worker is not None:
+            raise ConfigError(
+                f"envs_per_worker={c.envs_per_worker} is for cluster='local'; with cluster='ray' env_actors "
+                "sets how many sub-envs an actor hosts (num_envs / env_actors)"
             )
         if c.env_actors is not None and not (
             1 <= c.env_actors <= c.num_envs and c.num_envs % c.env_actors == 0

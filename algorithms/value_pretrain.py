@@ -20,7 +20,7 @@ from streamrl.algorithms.base import (
 from streamrl.algorithms.critic import explained_variance
 from streamrl.algorithms.runtime import Job
 from streamrl.algorithms.sao import SAO, SAOConfig, value_targets
-from streamrl.algorithms.session import ActionConstraint, RolloutFields, RolloutSession
+from streamrl.algorithms.session import ActionConstraint, RolloutFields, RolloutSession, env_hosting
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,6 @@ def pretrain_critic(
     from streamrl.agents.env_specs import env_spec
     from streamrl.agents.hf_backend import HFBackend, HFBackendConfig
     from streamrl.agents.models import load_tokenizer, resolve_model
-    from streamrl.envs.vector import VectorEnvConfig
     from streamrl.sft import SFTConfig, sft_checkpoint
 
     sao = sao if sao is not None else SAOConfig()
@@ -111,7 +110,7 @@ def pretrain_critic(
         config.env,
         env_spec(config.env).train_split,
         num_envs=config.num_envs,
-        workers=VectorEnvConfig(backend=config.env_workers),
+        workers=env_hosting(config.env, config.env_workers, config.envs_per_worker),
     )
     task_ids = session.first_tasks(config.tasks)
 

@@ -50,7 +50,7 @@ from streamrl.agents.base import Agent, GenerationBackend, SamplingParams, deriv
 from streamrl.agents.env_specs import env_spec, play_tasks
 from streamrl.agents.trajectory import Trajectory
 from streamrl.algorithms.runtime import Finished, Job
-from streamrl.algorithms.session import RolloutFields, RolloutSession
+from streamrl.algorithms.session import RolloutFields, RolloutSession, env_hosting
 from streamrl.evaluation.agents import (
     AGENT_FORMS,
     DEFAULT_MODEL,
@@ -323,15 +323,14 @@ def _plan(config: EvalConfig, task_ids: Sequence[str], samples: int) -> list[tup
 
 def eval_session(env: str, split: str, config: EvalConfig, env_kwargs: Mapping[str, Any]) -> RolloutSession:
     """The rollout session that plays ``split`` for ``config``: as many sub-envs as the widest mode has episodes,
-    at most ``config.num_envs``, hosted as ``config.env_workers`` says. Kept for every agent of an invocation."""
-    from streamrl.envs.vector import VectorEnvConfig
-
+    at most ``config.num_envs``, hosted as ``config.env_workers`` and ``config.envs_per_worker`` say. Kept for every
+    agent of an invocation."""
     session = RolloutSession(
         env,
         split,
         num_envs=config.num_envs,
         env_kwargs=env_kwargs,
-        workers=VectorEnvConfig(backend=config.env_workers),
+        workers=env_hosting(env, config.env_workers, config.envs_per_worker),
     )
     widest = max(config.samples_at(t) for t in config.temperatures)
     session.reserve(max(1, len(_plan(config, session.task_ids[: config.tasks], widest))))

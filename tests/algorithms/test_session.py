@@ -17,9 +17,11 @@ from streamrl.agents.hf_backend import HFBackend
 from streamrl.agents.models import resolve_model
 from streamrl.agents.rollout import play_episode
 from streamrl.algorithms.runtime import Job, Rollouts, collect
-from streamrl.algorithms.session import RolloutSession
+from streamrl.algorithms.session import RolloutSession, env_hosting
 from streamrl.algorithms.train import Trainer
+from streamrl.algorithms.train_config import ConfigError
 from streamrl.envs.vector import VectorEnvConfig
+from streamrl.evaluation.harness import EvalConfig
 
 
 def _played(trajectory: Any) -> dict[str, Any]:
@@ -32,8 +34,9 @@ def _played(trajectory: Any) -> dict[str, Any]:
 
 
 def test_a_kept_session_plays_every_evaluation_as_a_fresh_session_does() -> None:
-    # Two evaluations through one session (its worker processes and sandboxes kept) and one through a fresh
-    # session: the same jobs, agent seeds and env seeds give the same trajectories, token for token.
+    # Two evaluations through one session (its worker processes and sandboxes kept, one sub-env per worker) and
+    # one through a fresh session hosted as Math-TIR's default (its three sub-envs in one worker, sharing its
+    # sandboxes): the same jobs, agent seeds and env seeds give the same trajectories, token for token.
     backend = HFBackend(resolve_model("tiny"))
     sampling = SamplingParams(temperature=1.0, max_new_tokens=24, seed=7)
     workers = VectorEnvConfig(backend="subprocess")
@@ -44,14 +47,33 @@ def test_a_kept_session_plays_every_evaluation_as_a_fresh_session_does() -> None
             pids = kept.venv.worker_pids()
             second = kept.play(kept.llm_agent(backend, sampling), jobs, seed=11)
             assert kept.venv.worker_pids() == pids  # the same live workers played again
-        with RolloutSession("math_tir", "test", num_envs=3, workers=workers) as fresh:
+        assert len(pids) == 3
+        with RolloutSession("math_tir", "test", num_envs=3) as fresh:
             third = fresh.play(fresh.llm_agent(backend, sampling), jobs, seed=11)
+            assert len(fresh.venv.worker_pids()) == 1
     finally:
         backend.close()
     assert [f.job for f in first] == jobs
     assert sum(f.trajectory.num_action_tokens for f in first) > 0
     assert [_played(f.trajectory) for f in second] == [_played(f.trajectory) for f in first]
     assert [_played(f.trajectory) for f in third] == [_played(f.trajectory) for f in first]
+
+
+def test_env_hosting_takes_the_envs_default_unless_a_run_names_one(tmp_path: Path) -> None:
+    assert env_hosting("math_tir").envs_per_worker == 8  # EnvSpec.envs_per_worker
+    assert env_hosting("alfworld").envs_per_worker == 1
+    assert env_hosting("math_tir", "inprocess", 2) == VectorEnvConfig(backend="inprocess", envs_per_worker=2)
+    with pytest.raises(
+        ValueError, match=r"envs_per_worker must be >= 1 \(or None: the env's default\), got 0"
+    ):
+        EvalConfig(agent="expert", envs_per_worker=0)
+    bad = {"-1": r"envs_per_worker must be >= 1 .*, got -1", "2": "envs_per_worker=2 is for cluster='local'"}
+    for per, message in bad.items():
+        with pytest.raises(ConfigError, match=message):
+            hosting = {"cluster": "ray", "env_workers": "subprocess"} if per == "2" else {}
+            config = run_config(tmp_path / "run", envs_per_worker=int(per), **hosting)
+            Trainer(config, progress=False, log=QUIET)
+        assert not (tmp_path / "run").exists()
 
 
 def test_first_tasks_names_the_valid_range() -> None:
