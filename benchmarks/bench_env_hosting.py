@@ -42,10 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
-from bench_evaluation import ENV, GENERATION, eval_tasks, session_evaluation, timed  # noqa: E402
-from streamrl.agents.env_specs import env_spec  # noqa: E402
-from streamrl.agents.hf_backend import HFBackend, HFBackendConfig  # noqa: E402
-from streamrl.agents.models import load_tokenizer  # noqa: E402
+from bench_evaluation import ENV, GENERATION, demo_evaluation, session_evaluation, timed  # noqa: E402
 from streamrl.algorithms.session import RolloutSession  # noqa: E402
 from streamrl.envs.vector import VectorEnvConfig  # noqa: E402
 
@@ -73,15 +70,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if bad or args.repeats < 1:
         parser.error(f"--per-worker values and --repeats must be >= 1, got {args.per_worker}, {args.repeats}")
     torch.set_num_threads(args.threads)
-
-    from streamrl.algorithms.train import initial_model_dir
-    from streamrl.cli.demo import DEMO_COLD_START
-
-    model_dir = initial_model_dir("tiny", "sft", ENV, sft=DEMO_COLD_START)
-    tokenizer = load_tokenizer(model_dir)
-    backend = HFBackend(model_dir, tokenizer=tokenizer, config=HFBackendConfig(device="cpu", seed=args.seed))
-    tasks = eval_tasks(args.seed, args.episodes)
-    split = env_spec(ENV).eval_splits[0]
+    backend, tokenizer, tasks, split = demo_evaluation(args.seed, args.episodes)
     sessions: dict[int, list[dict[str, Any]]] = {p: [] for p in args.per_worker}
     reference: list[dict[str, Any]] | None = None
     load_before = os.getloadavg()

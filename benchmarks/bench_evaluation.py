@@ -66,6 +66,18 @@ def eval_tasks(seed: int, episodes: int) -> list[str]:
     return ids * (episodes // len(ids)) + rng.sample(ids, episodes % len(ids))
 
 
+def demo_evaluation(seed: int, episodes: int) -> tuple[HFBackend, Any, list[str], str]:
+    """What the demo's held-out evaluation plays with: a backend of ``tiny`` from the demo's cold start, its
+    tokenizer, the trainer's ``episodes`` held-out tasks for ``seed``, and the split."""
+    from streamrl.algorithms.train import initial_model_dir
+    from streamrl.cli.demo import DEMO_COLD_START
+
+    model_dir = initial_model_dir("tiny", "sft", ENV, sft=DEMO_COLD_START)
+    tokenizer = load_tokenizer(model_dir)
+    backend = HFBackend(model_dir, tokenizer=tokenizer, config=HFBackendConfig(device="cpu", seed=seed))
+    return backend, tokenizer, eval_tasks(seed, episodes), env_spec(ENV).eval_splits[0]
+
+
 def fresh_evaluation(
     backend: HFBackend,
     tokenizer: Any,
@@ -165,15 +177,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, default=HERE / "results" / "runtime" / "evaluation.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-
-    from streamrl.algorithms.train import initial_model_dir
     from streamrl.cli.demo import DEMO_COLD_START
 
-    model_dir = initial_model_dir("tiny", "sft", ENV, sft=DEMO_COLD_START)
-    tokenizer = load_tokenizer(model_dir)
-    backend = HFBackend(model_dir, tokenizer=tokenizer, config=HFBackendConfig(device="cpu", seed=args.seed))
-    tasks = eval_tasks(args.seed, args.episodes)
-    split = env_spec(ENV).eval_splits[0]
+    backend, tokenizer, tasks, split = demo_evaluation(args.seed, args.episodes)
     sessions = {"session": RolloutSession(ENV, split, num_envs=args.num_envs, workers=VectorEnvConfig())}
     if args.wide:
         per_worker = max(1, args.wide // args.num_envs)
