@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from streamrl.agents.base import Agent, GenerationBackend, SamplingParams
 from streamrl.agents.env_specs import EnvSpec, env_spec, expert_factory, make_env, task_ids_of
@@ -94,13 +94,19 @@ class ActionConstraint:
         return []
 
 
-def env_hosting(env: str, backend: str = "subprocess", envs_per_worker: int | None = None) -> VectorEnvConfig:
+EnvWorkers = Literal["subprocess", "inprocess"]
+"""Where a local run's env workers live: subprocesses (default) or this process (debugging, tests)."""
+
+
+def env_hosting(
+    env: str, backend: EnvWorkers = "subprocess", envs_per_worker: int | None = None
+) -> VectorEnvConfig:
     """How the sub-envs of ``env`` are hosted: ``backend`` workers (``"subprocess"`` or ``"inprocess"``) of
     ``envs_per_worker`` sub-envs each, ``None`` meaning the env's default (``EnvSpec.envs_per_worker``)."""
     from streamrl.envs.vector import VectorEnvConfig
 
     per = env_spec(env).envs_per_worker if envs_per_worker is None else envs_per_worker
-    return VectorEnvConfig(backend=backend, envs_per_worker=per)  # type: ignore[arg-type]
+    return VectorEnvConfig(backend=backend, envs_per_worker=per)
 
 
 def task_attributes(env: Any) -> dict[str, dict[str, str]]:

@@ -16,14 +16,13 @@ from typing import TYPE_CHECKING, Any, Literal
 from streamrl.algorithms.base import Algorithm, algorithm_class, make_algorithm
 from streamrl.algorithms.learner import LearnerConfig
 from streamrl.algorithms.run_dir import RunDir
-from streamrl.algorithms.session import ActionConstraint, RolloutFields
+from streamrl.algorithms.session import ActionConstraint, EnvWorkers, RolloutFields
 
 if TYPE_CHECKING:
     from streamrl.sft import SFTConfig
 
 BackendName = Literal["hf", "vllm"]
 Init = Literal["sft", "base"]
-EnvWorkers = Literal["subprocess", "inprocess"]
 Cluster = Literal["local", "ray"]
 Dispatch = Literal["fill", "trainable"]
 PLACEMENT = (

@@ -20,7 +20,13 @@ from streamrl.algorithms.base import (
 from streamrl.algorithms.critic import explained_variance
 from streamrl.algorithms.runtime import Job
 from streamrl.algorithms.sao import SAO, SAOConfig, value_targets
-from streamrl.algorithms.session import ActionConstraint, RolloutFields, RolloutSession, env_hosting
+from streamrl.algorithms.session import (
+    ActionConstraint,
+    EnvWorkers,
+    RolloutFields,
+    RolloutSession,
+    env_hosting,
+)
 
 
 @dataclass(frozen=True)
@@ -46,7 +52,7 @@ class ValuePretrainConfig(ActionConstraint, RolloutFields):
     """Episodes per critic step."""
     temperature: float = 1.0
     """Sampling temperature of the rollouts (the RL run's)."""
-    env_workers: Literal["subprocess", "inprocess"] = "subprocess"
+    env_workers: EnvWorkers = "subprocess"
     """Vector env workers."""
     device: str = "auto"
     """Where the policy generates and the critic trains (``"auto"`` = CUDA when present)."""

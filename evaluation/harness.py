@@ -50,7 +50,7 @@ from streamrl.agents.base import Agent, GenerationBackend, SamplingParams, deriv
 from streamrl.agents.env_specs import env_spec, play_tasks
 from streamrl.agents.trajectory import Trajectory
 from streamrl.algorithms.runtime import Finished, Job
-from streamrl.algorithms.session import RolloutFields, RolloutSession, env_hosting
+from streamrl.algorithms.session import EnvWorkers, RolloutFields, RolloutSession, env_hosting
 from streamrl.evaluation.agents import (
     AGENT_FORMS,
     DEFAULT_MODEL,
@@ -140,8 +140,6 @@ def evaluate(
 
 # ----------------------------------------------------------------------------------------------------------
 # Episodes and their records
-
-EnvWorkers = Literal["subprocess", "inprocess"]
 
 
 @dataclass(frozen=True)
