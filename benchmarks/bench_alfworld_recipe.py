@@ -5,6 +5,8 @@ on held-out *training* games, its result judged on the eval splits.
    plays the ``validation`` split (128 games drawn like the training games, none of them a training or eval
    game), each game once, at the start and the end. The candidate whose paired validation gain (end against
    start on the same episodes) has the highest lower 95 % end is chosen. The eval splits are not looked at.
+   With one candidate (``--lrs 0.003``) there is nothing to select: its ``--select-seed`` run is trained once, as
+   one of the confirming runs.
 2. **confirm**: the chosen candidate trains the preset's run for each of ``--seeds`` (the selection run is
    reused for its seed: same config); then ``streamrl eval`` plays each run's last policy, and once the start (the
    SFT checkpoint), on the same episodes of ``eval_seen`` and ``eval_unseen`` (every game ``--samples`` times,
@@ -25,7 +27,7 @@ import json
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -74,10 +76,14 @@ def train(config: TrainConfig) -> dict[str, Any]:
 
 def play(agent: str, report: Path, samples: int) -> Episodes:
     """``agent``'s episodes on the eval splits (``streamrl eval``; the report is kept at ``report`` and reused
-    while the splits keep their sizes), by episode key."""
+    while the splits keep their sizes and it holds ``samples`` episodes a game), by episode key."""
     sizes = {s: GenerationConfig().size(s) for s in SPLITS}
     data = json.loads(report.read_text()) if report.is_file() else None
-    if data is None or data["tasks"] != sizes:
+    if (
+        data is None
+        or data["tasks"] != sizes
+        or len(data["agents"][0]["episodes"]) != samples * sum(sizes.values())
+    ):
         command = [
             sys.executable, "-m", "streamrl.cli", "eval", agent, "--env", "alfworld", "--splits", *SPLITS,
             "--temperatures", "1.0", "--samples", str(samples), "--constrain-actions", "--avoid-repeats",
@@ -136,19 +142,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def config(seed: int, lr: float) -> TrainConfig:
         return preset_run(a.out / f"{tag}lr{lr:g}-seed{seed}", seed, lr, threads=1, overrides=a.overrides)
 
+    start_report = a.out / "start_eval_splits.json"
+
+    def confirm(seed: int, lr: float) -> tuple[dict[str, Any], Future[Episodes]]:
+        """Train the run, then queue its evaluation behind the jobs already queued."""
+        run = train(config(seed, lr))
+        report = Path(run["run"]) / "eval_splits_end.json"
+        return run, pool.submit(play, f"run:{run['run']}", report, a.samples)
+
+    # One pool for every job, so no slot idles while another stage finishes: the start's evaluation queues behind
+    # the first runs and each run's evaluation behind the runs queued before it ends.
     with ThreadPoolExecutor(a.jobs) as pool:
-        selected = list(pool.map(train, [config(a.select_seed, lr) for lr in a.lrs]))
-    best = max(selected, key=lambda r: r["validation_gain"]["ci_low"])
-    with ThreadPoolExecutor(a.jobs) as pool:
-        confirmed = list(pool.map(train, [config(s, best["lr"]) for s in a.seeds]))
+        if len(a.lrs) > 1:
+            selected = list(pool.map(train, [config(a.select_seed, lr) for lr in a.lrs]))
+            best = max(selected, key=lambda r: r["validation_gain"]["ci_low"])
+            lr = best["lr"]
+        else:  # one candidate: nothing to select; its select-seed run is one of the confirming runs
+            (lr,) = a.lrs
+            selected = []
+        jobs = [pool.submit(confirm, s, lr) for s in a.seeds[: a.jobs]]
         # The start is played once for every seed: an episode's env and sampling seeds depend only on its key.
-        reports = [a.out / "start_eval_splits.json"] + [
-            Path(r["run"]) / "eval_splits_end.json" for r in confirmed
-        ]
-        agents = ["sft"] + [f"run:{r['run']}" for r in confirmed]
-        start, *ends = pool.map(
-            lambda job: play(job[0], job[1], a.samples), zip(agents, reports, strict=True)
-        )
+        started_eval = pool.submit(play, "sft", start_report, a.samples)
+        jobs += [pool.submit(confirm, s, lr) for s in a.seeds[a.jobs :]]
+        confirmed, evaluations = zip(*(job.result() for job in jobs), strict=True)
+        start = started_eval.result()
+        ends = [e.result() for e in evaluations]
+        if not selected:
+            selected = [r for r in confirmed if r["seed"] == a.select_seed]
+    reports = [start_report] + [Path(r["run"]) / "eval_splits_end.json" for r in confirmed]
     for run, end, report in zip(confirmed, ends, reports[1:], strict=True):
         run["eval_splits"] = {"report": str(report), "start_report": str(reports[0])} | paired(end, start)
     result = {
@@ -163,8 +184,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "rule": "highest ci_low",
             "runs": selected,
         },
-        "chosen": {"lr": best["lr"]},
-        "runs": confirmed,
+        "chosen": {"lr": lr},
+        "runs": list(confirmed),
+        "samples": a.samples,
         "wall_s": round(time.perf_counter() - started, 1),
     }
     a.result.parent.mkdir(parents=True, exist_ok=True)
