@@ -465,6 +465,16 @@ def resolve_model(name_or_path: str | os.PathLike[str], *, cache_dir: Path | Non
     )
 
 
+def model_dir_name(name_or_path: str | os.PathLike[str]) -> str:
+    """The directory name ``resolve_model(name_or_path)`` returns, without building it: a registry name's
+    ``<name>-<key>`` (what keys the checkpoints trained from it, e.g. a shipped SFT checkpoint, which then needs
+    no base model built), otherwise the resolved directory's own name (``ValueError`` as ``resolve_model``)."""
+    name = os.fspath(name_or_path)
+    if name in MODELS:
+        return f"{name}-{MODELS[name].key()}"
+    return resolve_model(name).name
+
+
 def weights_fingerprint(path: str | os.PathLike[str], *, head_bytes: int | None = 1 << 20) -> str:
     """A short hash of a model directory's weights: each ``*.safetensors`` file's name, size and first
     ``head_bytes`` bytes (``None``: the whole file). Keys caches and checks that saved state (a critic)

@@ -238,10 +238,10 @@ class TrainConfig(ActionConstraint, RolloutFields):
                 sft_recipe(c.model, c.env, c.sft)
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"sft={dict(c.sft)}: {exc}" if c.sft else str(exc)) from exc
-        from streamrl.agents.models import resolve_model
+        from streamrl.agents.models import model_dir_name
 
         try:
-            resolve_model(c.model)
+            model_dir_name(c.model)  # a known model (built only when a run needs it)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         for name in (

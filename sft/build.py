@@ -23,7 +23,14 @@ from streamrl.agents.base import SamplingParams
 from streamrl.agents.env_specs import env_spec, play_tasks
 from streamrl.agents.hf_backend import HFBackend
 from streamrl.agents.lora import trainable_parameters, wrap_lora
-from streamrl.agents.models import build_once, load_model, load_tokenizer, resolve_model, sha256_file
+from streamrl.agents.models import (
+    build_once,
+    load_model,
+    load_tokenizer,
+    model_dir_name,
+    resolve_model,
+    sha256_file,
+)
 from streamrl.agents.teacher_forcing import downsample_turns, expert_trajectories, sequences_of
 from streamrl.agents.trajectory import TokenSequence
 from streamrl.sft.config import SFTConfig
@@ -151,8 +158,8 @@ def sft_checkpoint(
     """
     if isinstance(config, str):
         config = SFTConfig.for_env(config)
-    base = resolve_model(config.model)
-    target = cache_root() / "sft" / f"{base.name}-sft-{config.key()}"
+    # the base model is named without being built: a shipped or cached checkpoint does not need it
+    target = cache_root() / "sft" / f"{model_dir_name(config.model)}-sft-{config.key()}"
     target.parent.mkdir(parents=True, exist_ok=True)
 
     def build(out: Path) -> None:
@@ -166,6 +173,7 @@ def sft_checkpoint(
             return
         start = config.start()  # the checkpoint to start from is built (or found) first, under its own lock
         start_dir = None if start is None else sft_checkpoint(start, log, reproducible=reproducible)
+        base = resolve_model(config.model)
         if reproducible:
             run_in_reproducible_interpreter(
                 "streamrl.sft.build:_build_checkpoint",

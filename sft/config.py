@@ -11,7 +11,7 @@ from typing import Any
 
 from streamrl.agents.env_specs import env_spec
 from streamrl.agents.lora import LoRAConfig
-from streamrl.agents.models import resolve_model
+from streamrl.agents.models import model_dir_name
 
 _RECIPE = 4  # bump when the data rendering or training loop changes
 
@@ -237,7 +237,7 @@ class SFTConfig:
         """The checkpoint's cache key: a hash of every field, the base model's directory name, the data and
         training code's version (``_RECIPE``) and, through ``init_from``, the key of the checkpoint it starts
         from (so a changed Math-TIR preset changes ALFWorld's key too). ``threads`` enters only when it is not 1."""
-        model_key = resolve_model(self.model).name
+        model_key = model_dir_name(self.model)
         start = self.start()
         config = asdict(self)
         if config["threads"] == 1:

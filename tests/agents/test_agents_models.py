@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 from streamrl.agents import models
-from streamrl.agents.models import TinyModelConfig, build_once, build_tiny, load_tokenizer, resolve_model
+from streamrl.agents.models import (
+    TinyModelConfig,
+    build_once,
+    build_tiny,
+    load_tokenizer,
+    model_dir_name,
+    resolve_model,
+)
 from tokenizers import Tokenizer
 
 ENV_TEXT = (
@@ -40,6 +47,7 @@ def test_registered_tiny_model_shape() -> None:
 
     path = resolve_model("tiny")
     assert resolve_model("tiny") == path  # cached, not rebuilt
+    assert model_dir_name("tiny") == path.name  # what names tiny's checkpoints, known before any build
     cfg = AutoConfig.from_pretrained(path)
     assert cfg.model_type == "qwen2"
     tok = load_tokenizer(path)
@@ -61,10 +69,13 @@ def test_registered_tiny_model_shape() -> None:
 def test_unknown_model_error_lists_valid_names(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"'tiny'.*'smollm2-135m'"):
         resolve_model("no-such-model")
+    with pytest.raises(ValueError, match=r"'tiny'.*'smollm2-135m'"):
+        model_dir_name("no-such-model")
     with pytest.raises(ValueError, match=r"no config\.json"):
         resolve_model(tmp_path)
     (tmp_path / "config.json").write_text("{}")
     assert resolve_model(tmp_path) == tmp_path
+    assert model_dir_name(tmp_path) == tmp_path.name
 
 
 def test_build_once_is_atomic_and_locked(tmp_path: Path) -> None:

@@ -342,8 +342,10 @@ def test_a_shipped_checkpoint_is_copied_after_its_sha256_check(
 
     monkeypatch.setattr(sft, "_build_checkpoint", no_build)
     monkeypatch.setattr(sft, "run_in_reproducible_interpreter", no_build)
+    bases: list[str] = []  # the base model is resolved (built, on a fresh machine) only for a build
+    monkeypatch.setattr(sft, "resolve_model", lambda model: bases.append(model) or resolve_model(model))
     out = sft_checkpoint(config, log=lambda _: None)
-    assert out == tmp_path / "cache" / "sft" / name
+    assert out == tmp_path / "cache" / "sft" / name and bases == []
     assert (out / "model.safetensors").read_bytes() == (real / "model.safetensors").read_bytes()
     assert not (out / "SHA256SUMS").exists()
     # a changed file is refused, naming it
@@ -357,3 +359,4 @@ def test_a_shipped_checkpoint_is_copied_after_its_sha256_check(
     monkeypatch.setattr(sft, "cache_root", lambda: tmp_path / "empty-cache")
     with pytest.raises(AssertionError, match="built instead"):  # --no-shipped builds
         sft_checkpoint(config, log=lambda _: None, shipped=False)
+    assert bases == ["tiny"]
