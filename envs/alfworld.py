@@ -232,6 +232,27 @@ class ALFWorldEnv(TextEnv):
         self._last_obs = ""
 
     @staticmethod
+    def prepare(
+        split: Split = "train",
+        *,
+        game_files: Sequence[str | os.PathLike[str]] | None = None,
+        data_path: str | os.PathLike[str] | None = None,
+        generation: GenerationConfig | Mapping[str, Any] | None = None,
+        **_: Any,
+    ) -> None:
+        """Generate ``split``'s games now if they are not cached yet (what the constructor would do on first
+        use): ``StreamingVectorEnv`` calls it in the parent before starting its workers (``EnvFactory.prepare``).
+        Nothing to do for given ``game_files`` or ``data_path``; bad arguments are left to the constructor."""
+        if game_files is not None or data_path is not None or split not in SPLITS:
+            return
+        if isinstance(generation, Mapping):
+            try:
+                generation = GenerationConfig(**generation)
+            except TypeError:
+                return
+        alfworld_gen.ensure_split(split, generation or GenerationConfig())
+
+    @staticmethod
     def _task_id_of(path: Path) -> str:
         try:  # a generated game names itself
             with open(path) as f:

@@ -135,6 +135,19 @@ class EnvFactory:
             raise TypeError(f"{self!r} produced {type(env).__name__}, not a gymnasium.Env")
         return env
 
+    def prepare(self) -> None:
+        """Run the registered env class's ``prepare(**kwargs)`` here, when it has one: data the env builds on
+        first use (ALFWorld's generated games) is then made once, in the parent, instead of inside every
+        worker's ``start_timeout`` (a worker waiting on another's generation would count it against its own
+        start). A callable factory has no class to ask: it is not prepared."""
+        if self.registration is None:
+            return
+        entry = self.registration.entry_point
+        creator = gym.envs.registration.load_env_creator(entry) if isinstance(entry, str) else entry
+        prepare = getattr(creator, "prepare", None)
+        if callable(prepare):
+            prepare(**{**(self.registration.kwargs or {}), **dict(self.kwargs)})
+
     @property
     def name(self) -> str:
         """A short label for reprs and error messages."""

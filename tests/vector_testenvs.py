@@ -83,3 +83,18 @@ class ScriptedTextEnv(gym.Env[str, str]):
             False,
             {"task_id": self._task, "t": self._t},
         )
+
+
+class PreparedTextEnv(ScriptedTextEnv):
+    """A ``ScriptedTextEnv`` with first-use data, as ALFWorld's generated games: ``prepare(marker=...)`` writes
+    the file ``marker`` (appending the preparing process's pid), and the constructor refuses to build without it."""
+
+    def __init__(self, marker: str, **kwargs: Any) -> None:
+        if not os.path.exists(marker):
+            raise FileNotFoundError(f"{marker}: prepare() has not run")
+        super().__init__(**kwargs)
+
+    @staticmethod
+    def prepare(marker: str, **_: Any) -> None:
+        with open(marker, "a") as f:
+            f.write(f"{os.getpid()}\n")

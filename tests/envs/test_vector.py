@@ -332,6 +332,27 @@ def test_registered_gym_ids_and_kwargs_work() -> None:
         assert all(r.truncated for r in results)  # the TimeLimit of gym.make(max_episode_steps=2)
 
 
+def test_first_use_data_is_prepared_once_in_the_parent_before_the_workers_start(tmp_path: Path) -> None:
+    """A registered env class's ``prepare`` (ALFWorld's: generate the split's games) runs once, in this process,
+    before any worker starts: building the data is not counted against a worker's start timeout, and several
+    workers do not wait on one another's generation. Sub-envs of a callable factory are not prepared."""
+    marker = tmp_path / "prepared"
+    gym.register(id="streamrl-test/Prepared-v0", entry_point="vector_testenvs:PreparedTextEnv")
+    try:
+        config = VectorEnvConfig(envs_per_worker=1)
+        with StreamingVectorEnv.from_env("streamrl-test/Prepared-v0", 3, config, marker=str(marker)) as venv:
+            assert len(venv.reset(seeds=0)) == 3  # every worker built its env: the data was there
+        assert marker.read_text().split() == [str(os.getpid())]
+    finally:
+        gym.registry.pop("streamrl-test/Prepared-v0", None)
+    from vector_testenvs import PreparedTextEnv
+
+    other = tmp_path / "never"
+    with pytest.raises(WorkerStartError, match="prepare\\(\\) has not run"):
+        StreamingVectorEnv([functools.partial(PreparedTextEnv, str(other))] * 2, config)
+    assert not other.exists()
+
+
 # ------------------------------------------------------------------------------------------------------
 # Reaping
 # ------------------------------------------------------------------------------------------------------
