@@ -242,7 +242,8 @@ class ALFWorldEnv(TextEnv):
     ) -> None:
         """Generate ``split``'s games now if they are not cached yet (what the constructor would do on first
         use): ``StreamingVectorEnv`` calls it in the parent before starting its workers (``EnvFactory.prepare``).
-        Nothing to do for given ``game_files`` or ``data_path``; bad arguments are left to the constructor."""
+        Nothing to do for given ``game_files`` or ``data_path``; an unknown split or generation field is left to
+        the constructor to refuse (in the worker, with its message)."""
         if game_files is not None or data_path is not None or split not in SPLITS:
             return
         if isinstance(generation, Mapping):

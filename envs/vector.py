@@ -30,11 +30,12 @@ Sub-env state machine (:class:`SubEnvState`); a call that does not fit raises at
     NEEDS_RESET --send--> RESETTING   (only with autoreset NEXT_STEP/SAME_STEP; the action is ignored)
 
 Fault tolerance. Every call crossing the process boundary has a deadline (``step_timeout``,
-``reset_timeout``, ``start_timeout``). An env that builds data on first use (ALFWorld generates a split's games)
-does so once, in the parent, before any worker starts, when its registered class has a ``prepare(**kwargs)``
-(``EnvFactory.prepare``): a worker's start timeout covers building its envs, not making their data. A worker that crashes, is killed, hangs past its deadline or grows
-past ``max_rss_mb`` is killed (with its process group) and replaced, and every episode it held comes back
-exactly once as a result with ``truncated=True`` and ``info["error"]`` / ``info["error_kind"]``: episodes with
+``reset_timeout``, ``start_timeout``). An env that builds data on first use (ALFWorld generates a split's
+games) does so once, in the parent, before any worker starts, when its registered class has a
+``prepare(**kwargs)`` (``EnvFactory.prepare``): a worker's start timeout covers building its envs, not making
+their data. A worker that crashes, is killed, hangs past its deadline or grows past ``max_rss_mb`` is killed
+(with its process group) and replaced, and every episode it held comes back exactly once as a result with
+``truncated=True`` and ``info["error"]`` / ``info["error_kind"]``: episodes with
 a call in flight come back from ``recv``; an episode that was waiting for an action comes back as the
 result of the next ``send`` to that env (its step never runs). An exception inside ``env.step``/``reset``
 comes back the same way with the worker's traceback in ``info["traceback"]``. With ``strict=True`` every
