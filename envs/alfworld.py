@@ -232,7 +232,7 @@ class ALFWorldEnv(TextEnv):
         self._last_obs = ""
 
     @staticmethod
-    def prepare(
+    def prepare_data(
         split: Split = "train",
         *,
         game_files: Sequence[str | os.PathLike[str]] | None = None,

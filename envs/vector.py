@@ -32,7 +32,7 @@ Sub-env state machine (:class:`SubEnvState`); a call that does not fit raises at
 Fault tolerance. Every call crossing the process boundary has a deadline (``step_timeout``,
 ``reset_timeout``, ``start_timeout``). An env that builds data on first use (ALFWorld generates a split's
 games) does so once, in the parent, before any worker starts, when its registered class has a
-``prepare(**kwargs)`` (``EnvFactory.prepare``): a worker's start timeout covers building its envs, not making
+``prepare_data(**kwargs)`` (``EnvFactory.prepare``): a worker's start timeout covers building its envs, not making
 their data. A worker that crashes, is killed, hangs past its deadline or grows past ``max_rss_mb`` is killed
 (with its process group) and replaced, and every episode it held comes back exactly once as a result with
 ``truncated=True`` and ``info["error"]`` / ``info["error_kind"]``: episodes with

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import math
 import multiprocessing
 import os
@@ -136,17 +137,18 @@ class EnvFactory:
         return env
 
     def prepare(self) -> None:
-        """Run the registered env class's ``prepare(**kwargs)`` here, when it has one: data the env builds on
-        first use (ALFWorld's generated games) is then made once, in the parent, instead of inside every
-        worker's ``start_timeout`` (a worker waiting on another's generation would count it against its own
-        start). A callable factory has no class to ask: it is not prepared."""
+        """Call the registered env class's ``prepare_data(**kwargs)`` here, when it has one (a static or class
+        method: an instance method of that name is not this hook): data the env builds on first use (ALFWorld's
+        generated games) is then made once, in the parent, instead of inside every worker's ``start_timeout`` (a
+        worker waiting on another's generation would count it against its own start). A callable factory has no
+        class to ask: it is not prepared."""
         if self.registration is None:
             return
         entry = self.registration.entry_point
         creator = gym.envs.registration.load_env_creator(entry) if isinstance(entry, str) else entry
-        prepare = getattr(creator, "prepare", None)
-        if callable(prepare):
-            prepare(**{**(self.registration.kwargs or {}), **dict(self.kwargs)})
+        hook = inspect.getattr_static(creator, "prepare_data", None) if isinstance(creator, type) else None
+        if isinstance(hook, (staticmethod, classmethod)):
+            creator.prepare_data(**{**(self.registration.kwargs or {}), **dict(self.kwargs)})
 
     @property
     def name(self) -> str:

@@ -87,14 +87,18 @@ class ScriptedTextEnv(gym.Env[str, str]):
 
 class PreparedTextEnv(ScriptedTextEnv):
     """A ``ScriptedTextEnv`` with first-use data, as ALFWorld's generated games: ``prepare(marker=...)`` writes
-    the file ``marker`` (appending the preparing process's pid), and the constructor refuses to build without it."""
+    the file ``marker`` (appending the preparing process's pid), and the constructor refuses to build without it.
+    ``prepare`` is an instance method that is not the hook: it must never be called."""
 
     def __init__(self, marker: str, **kwargs: Any) -> None:
         if not os.path.exists(marker):
-            raise FileNotFoundError(f"{marker}: prepare() has not run")
+            raise FileNotFoundError(f"{marker}: prepare_data() has not run")
         super().__init__(**kwargs)
 
     @staticmethod
-    def prepare(marker: str, **_: Any) -> None:
+    def prepare_data(marker: str, **_: Any) -> None:
         with open(marker, "a") as f:
             f.write(f"{os.getpid()}\n")
+
+    def prepare(self) -> None:
+        raise AssertionError("an instance method named prepare is not the first-use hook")

@@ -303,14 +303,14 @@ if __name__ == "__main__":
 
 
 def test_prepare_generates_the_split_that_the_env_would_on_first_use(tmp_path: Path) -> None:
-    """``ALFWorldEnv.prepare`` (what ``StreamingVectorEnv`` calls in the parent before its workers start) makes the
+    """``ALFWorldEnv.prepare_data`` (what ``StreamingVectorEnv`` calls in the parent before its workers start) makes the
     games a later env reads without generating; with ``game_files`` or ``data_path`` there is nothing to make."""
     generation = {"train": 0, "eval_seen": 0, "eval_unseen": 2, "cache_dir": str(tmp_path), "workers": 1}
-    ALFWorldEnv.prepare("eval_unseen", generation=generation)
+    ALFWorldEnv.prepare_data("eval_unseen", generation=generation)
     manifest = tmp_path / f"gen-v{gen.GENERATOR_VERSION}" / "eval_unseen" / "manifest.json"
     made = manifest.stat().st_mtime_ns
     env = ALFWorldEnv("eval_unseen", generation=generation)
     assert len(env.task_ids) == 2 and manifest.stat().st_mtime_ns == made  # read, not generated again
     env.close()
-    ALFWorldEnv.prepare("eval_seen", game_files=["nowhere/game.tw-pddl"], generation=generation)
+    ALFWorldEnv.prepare_data("eval_seen", game_files=["nowhere/game.tw-pddl"], generation=generation)
     assert not (tmp_path / f"gen-v{gen.GENERATOR_VERSION}" / "eval_seen").exists()

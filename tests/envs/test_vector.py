@@ -333,7 +333,7 @@ def test_registered_gym_ids_and_kwargs_work() -> None:
 
 
 def test_first_use_data_is_prepared_once_in_the_parent_before_the_workers_start(tmp_path: Path) -> None:
-    """A registered env class's ``prepare`` (ALFWorld's: generate the split's games) runs once, in this process,
+    """A registered env class's ``prepare_data`` (ALFWorld's: generate the split's games) runs once, in this process,
     before any worker starts: building the data is not counted against a worker's start timeout, and several
     workers do not wait on one another's generation. Sub-envs of a callable factory are not prepared."""
     marker = tmp_path / "prepared"
@@ -348,7 +348,7 @@ def test_first_use_data_is_prepared_once_in_the_parent_before_the_workers_start(
     from vector_testenvs import PreparedTextEnv
 
     other = tmp_path / "never"
-    with pytest.raises(WorkerStartError, match="prepare\\(\\) has not run"):
+    with pytest.raises(WorkerStartError, match="prepare_data\\(\\) has not run"):
         StreamingVectorEnv([functools.partial(PreparedTextEnv, str(other))] * 2, config)
     assert not other.exists()
 
