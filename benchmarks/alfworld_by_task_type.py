@@ -28,7 +28,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from streamrl.evaluation.compare import paired_gain
+from bench_alfworld_recipe import Episodes, episodes_of, paired_on
 
 TYPE = re.compile(r"^\d+-(\w+?)-")
 """An ALFWorld task id's type, after its split (``alfworld/train/0109-look_at_obj_in_light-FloorPlan328``)."""
@@ -42,10 +42,9 @@ def task_type(task_id: str) -> str:
     return match.group(1)
 
 
-def episodes(report: Path) -> dict[tuple[Any, ...], dict[str, Any]]:
-    """A ``streamrl eval`` report's episodes of its first agent, by (split, task, seed, sample)."""
-    data = json.loads(report.read_text())
-    return {(e["split"], e["task_id"], e["seed"], e["sample"]): e for e in data["agents"][0]["episodes"]}
+def episodes(report: Path) -> Episodes:
+    """A ``streamrl eval`` report's episodes, by (split, task, seed, sample)."""
+    return episodes_of(json.loads(report.read_text()))
 
 
 def trained(run: Path) -> Counter[str]:
@@ -80,14 +79,12 @@ def main() -> None:
         per_type = {}
         for kind in types:
             keys = [k for k, e in start.items() if e["groups"]["task_type"] == kind]
-            before = [{"key": k, "task_id": k[1], "won": start[k]["success"]} for k in keys]
-            after = [{"key": k, "task_id": k[1], "won": end[k]["success"]} for k in keys]
-            gain = paired_gain(before, after).to_dict()
+            gain = paired_on(end, start, keys)
             share = counts[kind] / total
             per_type[kind] = {
                 "episodes": len(keys),
                 "tasks": len({k[1] for k in keys}),
-                "start_success": sum(start[k]["success"] for k in keys) / len(keys),
+                "start_success": gain["start"],
                 "paired_change": {k: gain[k] for k in ("mean", "ci_low", "ci_high")},
                 "trained_share": share,
                 "trained_episodes": counts[kind],

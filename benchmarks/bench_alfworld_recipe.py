@@ -91,8 +91,21 @@ def play(agent: str, report: Path, samples: int) -> Episodes:
         ]  # fmt: skip
         subprocess.run(command, check=True, capture_output=True, text=True)
         data = json.loads(report.read_text())
-    (agent_report,) = data["agents"]
+    return episodes_of(data)
+
+
+def episodes_of(report: dict[str, Any]) -> Episodes:
+    """The episodes of a one-agent ``streamrl eval`` report, by episode key."""
+    (agent_report,) = report["agents"]
     return {_key(e): e for e in agent_report["episodes"]}
+
+
+def paired_on(end: Episodes, start: Episodes, keys: list[tuple[str, str, int, int]]) -> dict[str, Any]:
+    """The paired success gain end − start on the episodes ``keys``, clustered by task, with both rates."""
+    a = [{"key": k, "task_id": start[k]["task_id"], "won": start[k]["success"]} for k in keys]
+    b = [{"key": k, "task_id": end[k]["task_id"], "won": end[k]["success"]} for k in keys]
+    g = paired_gain(a, b).to_dict()
+    return g | {"start": sum(r["won"] for r in a) / len(a), "end": sum(r["won"] for r in b) / len(b)}
 
 
 def paired(end: Episodes, start: Episodes) -> dict[str, Any]:
@@ -102,11 +115,7 @@ def paired(end: Episodes, start: Episodes) -> dict[str, Any]:
         raise RuntimeError("the run's and the start's eval reports hold different episodes")
 
     def gain(split: str | None) -> dict[str, Any]:
-        keys = [k for k in end if split is None or end[k]["split"] == split]
-        a = [{"key": k, "task_id": start[k]["task_id"], "won": start[k]["success"]} for k in keys]
-        b = [{"key": k, "task_id": end[k]["task_id"], "won": end[k]["success"]} for k in keys]
-        g = paired_gain(a, b).to_dict()
-        return g | {"start": sum(r["won"] for r in a) / len(a), "end": sum(r["won"] for r in b) / len(b)}
+        return paired_on(end, start, [k for k in end if split is None or end[k]["split"] == split])
 
     return {"pooled": gain(None), **{s: gain(s) for s in SPLITS}}
 
