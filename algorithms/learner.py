@@ -31,6 +31,13 @@ single-rank update up to float rounding. With ``sharding="fsdp"`` each rank hold
 forward is a collective and the ranks run equally many (filler forwards pad the lighter ones); the full state
 is gathered to rank 0 for saves (``streamrl.algorithms.distributed``).
 
+A KL term against the start (``LearnerConfig.kl_coef`` = beta > 0; GRPO's ``- beta D_KL[pi_theta || pi_ref]``):
+each micro-batch's action tokens are scored, without grad, by the reference -- a frozen copy of the weights the
+learner was built with, or with LoRA the base model under disabled adapters -- and ``beta x`` the per-token
+estimate (``kl_estimator``, k3 by default), aggregated as the algorithm aggregates its policy loss, joins the
+loss; ``ref_kl`` reports the estimate's mean per action token. It costs one forward per micro-batch, and a
+copy of the model when fully fine-tuned.
+
 Constrained actions (``LLMAgent(constrain_actions=True)``): tokens sampled among an allowed set
 (``TokenSequence.choice_ids``) are scored under the model's distribution renormalized over that set, the
 distribution they were sampled from, in the old log-probs and in the training forward alike.
@@ -42,6 +49,7 @@ Precision: fp32 on CPU; bf16 autocast on CUDA (log-probs and losses in fp32). Pa
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import time
@@ -49,7 +57,7 @@ from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 from streamrl.agents.batch import TokenBatch, collate
@@ -57,6 +65,7 @@ from streamrl.agents.logprobs import selected_token_logprobs
 from streamrl.agents.lora import LoRAConfig, save_adapter, trainable_parameters, wrap_lora
 from streamrl.agents.trajectory import TokenSequence, Trajectory
 from streamrl.algorithms.base import PolicyInputs
+from streamrl.algorithms.losses import KLKind, aggregate_loss, kl_penalty
 
 if TYPE_CHECKING:
     from streamrl.algorithms.base import Episode, PolicyObjective
@@ -89,6 +98,14 @@ class LearnerConfig:
     """Where the cosine decay ends, as a fraction of the peak."""
     max_grad_norm: float = 1.0
     """Gradient-norm clipping per optimizer step."""
+    kl_coef: float = 0.0
+    """beta of a ``beta * KL(pi_theta || pi_ref)`` loss term against the run's start policy (GRPO's D_KL, verl's
+    ``kl_loss_coef``, TRL's ``beta``), aggregated like the policy loss. 0 = none, as SPO, SPO++, SAO and DAPO
+    publish; the GRPO paper used 0.04. The reference is the weights the learner starts from (a frozen copy
+    when fully fine-tuned; the base model under disabled adapters with LoRA), also after a resume."""
+    kl_estimator: KLKind = "k3"
+    """The per-token KL estimate (``streamrl.algorithms.losses.kl_penalty``): ``k3`` (GRPO's), ``k1``, ``k2``,
+    ``abs``."""
     mini_batches: int = 1
     """Optimizer steps per update (PPO mini-batches, split by episode); SPO++ App. A: 1."""
     epochs: int = 1
@@ -128,6 +145,17 @@ class LearnerConfig:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0):
+            raise ValueError(f"kl_coef must be a finite number >= 0, got {self.kl_coef}")
+        if self.kl_estimator not in get_args(KLKind):
+            raise ValueError(
+                f"kl_estimator must be one of {list(get_args(KLKind))}, got {self.kl_estimator!r}"
+            )
+        if self.kl_coef > 0 and self.sharding == "fsdp":
+            raise ValueError(
+                "kl_coef > 0 needs a reference copy of the policy, which fsdp does not shard: use "
+                "sharding='replicate', LoRA (its reference is the base model, no copy), or kl_coef=0"
+            )
 
     def resolved_finetune(self, num_params: int) -> Literal["full", "lora"]:
         if self.finetune != "auto":
@@ -389,6 +417,11 @@ class Learner:
         self.params = list(trainable_parameters(self.model))
         if self.group is not None and not self.sharded:  # replicas start equal (a LoRA's init, a rank's load)
             self.group.broadcast_([p.data for p in self.params])
+        # KL(pi_theta || pi_ref)'s reference: the start, frozen. A LoRA policy's is its base model (adapters
+        # disabled for the forward), so it costs no copy; a resumed run loads its weights after this.
+        self.reference: Any = None
+        if self.config.kl_coef > 0 and self.finetune == "full":
+            self.reference = copy.deepcopy(self.model).requires_grad_(False).eval()
         self.lr = self.config.lr
         self.optimizer = torch.optim.AdamW(self.params, lr=self.lr, weight_decay=self.config.weight_decay)
         self.total_steps = max(1, total_steps)
@@ -420,17 +453,30 @@ class Learner:
 
     def _forward(self, batch: TokenBatch, with_entropy: bool) -> Any:
         with self._autocast:
-            return self._call(
-                selected_token_logprobs,
-                batch.input_ids,
-                batch.attention_mask,
-                batch.action_mask,
-                with_entropy=with_entropy,
-                temperature=self.temperature,
-                allowed=batch.allowed(),  # tokens sampled under a constraint: scored as they were sampled
-                skip_unread=True,
-                share_prefix=not self.sharded,  # (FSDP: the ranks' forwards are collectives, one call each)
-            )
+            return self._call(self._logprobs, batch, with_entropy)
+
+    @torch.no_grad()
+    def _reference_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """The action tokens' log-probs under the reference policy (``LearnerConfig.kl_coef``), scored exactly as
+        the policy's are (temperature, constraint, precision)."""
+        with self._autocast:
+            if self.reference is not None:
+                return self._logprobs(self.reference, batch, False)
+            with self.model.disable_adapter():  # LoRA: the base model
+                return self._logprobs(self.model, batch, False)
+
+    def _logprobs(self, model: Any, batch: TokenBatch, with_entropy: bool) -> Any:
+        return selected_token_logprobs(
+            model,
+            batch.input_ids,
+            batch.attention_mask,
+            batch.action_mask,
+            with_entropy=with_entropy,
+            temperature=self.temperature,
+            allowed=batch.allowed(),  # tokens sampled under a constraint: scored as they were sampled
+            skip_unread=True,
+            share_prefix=not self.sharded,  # (FSDP: the ranks' forwards are collectives, one call each)
+        )
 
     def _matching_forwards(self, forwards: int) -> int:
         """How many forwards this rank runs in a phase where it has ``forwards`` of its own: with FSDP every
@@ -543,14 +589,20 @@ class Learner:
                         entropy=batch.scatter(entropy.float()),
                     )
                     out = objective.policy_loss(inputs)
-                    out.loss.backward()
+                    loss = out.loss
+                    if self.config.kl_coef > 0:
+                        ref_logp = batch.scatter(self._reference_logprobs(batch).float())
+                        kl = kl_penalty(inputs.logp, ref_logp, self.config.kl_estimator) * inputs.mask
+                        loss = loss + self.config.kl_coef * aggregate_loss(kl, inputs.mask, agg)
+                        sums["ref_kl"] = sums.get("ref_kl", 0.0) + float(kl.detach().sum())
+                    loss.backward()
                     tokens = float(batch.num_action_tokens)
                     weight += tokens
                     for key, value in out.metrics().items():
                         if key != "loss" and key != "num_tokens" and math.isfinite(value):
                             sums[key] = sums.get(key, 0.0) + value * tokens
                     sums["entropy"] = sums.get("entropy", 0.0) + float(entropy.sum())
-                    sums["loss"] = sums.get("loss", 0.0) + float(out.loss.detach())
+                    sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
                     self._mismatch(inputs, sums)
                 self._filler_forwards(fillers, backward=True)
                 grad_norms.append(self._step())

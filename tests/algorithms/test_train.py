@@ -58,6 +58,7 @@ from streamrl.algorithms.learner import (
     shard_batch,
     training_rows,
 )
+from streamrl.algorithms.losses import aggregate_loss, kl_penalty
 from streamrl.algorithms.runtime import Job, Rollouts, collect
 from streamrl.algorithms.side_rollouts import extend_evenly
 from streamrl.algorithms.tracker import EventTracker, Ticket
@@ -893,6 +894,12 @@ def oracle_episodes(vocab: int) -> list[Episode]:
         pytest.param("spo", {}, id="spo"),
         pytest.param("sao", {"mini_batches": 2}, id="sao"),
         pytest.param("spo++", {"mini_batches": 2, "finetune": "lora"}, id="spo++-lora"),
+        pytest.param("grpo", {"mini_batches": 2, "epochs": 2, "kl_coef": 0.5}, id="grpo-kl-k3"),
+        pytest.param(
+            "spo++",
+            {"mini_batches": 2, "kl_coef": 0.5, "kl_estimator": "k2", "finetune": "lora"},
+            id="spo++-lora-kl",
+        ),
     ],
 )
 def test_the_learner_s_gradients_are_the_plain_loss_gradients(algo: str, overrides: dict[str, Any]) -> None:
@@ -900,7 +907,9 @@ def test_the_learner_s_gradients_are_the_plain_loss_gradients(algo: str, overrid
     at action tokens only, the last layer's MLP skipped elsewhere, long rows split off, the first step's old
     log-probs taken from its own forward), equals the gradient of the plain loss of the step's whole
     mini-batch at the same weights -- full logits from the model's masked forward, old log-probs from a copy of
-    the weights before the update -- to 1e-6, and so do the losses."""
+    the weights before the update, and with ``kl_coef`` beta x the aggregated KL estimate against the start (after
+    an earlier update, so neither the current weights nor those before the update are the start; LoRA's reference
+    is its base under disabled adapters, the start while B = 0) -- to 1e-6, and so do the losses."""
     temperature = overrides.pop("temperature", 1.0)
     torch.manual_seed(0)
     model = load_model(resolve_model("tiny"))
@@ -930,6 +939,10 @@ def test_the_learner_s_gradients_are_the_plain_loss_gradients(algo: str, overrid
     assert len(length_sorted_chunks(rows, config.micro_batch_tokens)) == 1
     assert any({rows[i].episode for i in chunk} == {5} for chunk in learner._micro_batches(rows))
     per_row_adv = Learner._spread(episodes, advantages, rows)
+    before = initial
+    if config.kl_coef:  # an update first, so that the weights before the checked one are not the start
+        learner.update(episodes, advantages, algorithm)
+        before = copy.deepcopy(learner.model)
 
     def oracle(step: int) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """The plain loss of mini-batch ``step`` at the learner's current weights, and its gradient."""
@@ -938,17 +951,23 @@ def test_the_learner_s_gradients_are_the_plain_loss_gradients(algo: str, overrid
         lengths = batch.lengths
         agg = algorithm.aggregation(torch.arange(int(lengths.max()))[None, :] < lengths[:, None])
         with torch.no_grad():
-            old = oracle_logprobs(initial, batch, temperature)
+            old = oracle_logprobs(before, batch, temperature)
+            start = oracle_logprobs(initial, batch, temperature)
+        logp = oracle_logprobs(learner.model, batch, temperature)
+        mask = batch.action_mask.float()
         loss = algorithm.policy_loss(
             PolicyInputs(
-                logp=oracle_logprobs(learner.model, batch, temperature),
+                logp=logp,
                 old_logp=old,
                 rollout_logp=batch.rollout_logprobs,
                 advantages=batch.scatter(torch.cat([per_row_adv[i] for i in idx])),
-                mask=batch.action_mask.float(),
+                mask=mask,
                 agg=agg,
             )
         ).loss
+        if config.kl_coef:  # the reference is the start, whatever the weights are now
+            kl = kl_penalty(logp, start, config.kl_estimator)
+            loss = loss + config.kl_coef * aggregate_loss(kl * mask, mask, agg)
         grads = torch.autograd.grad(loss, learner.params, allow_unused=True)
         return loss.detach(), list(grads)
 
@@ -977,6 +996,38 @@ def test_the_learner_s_gradients_are_the_plain_loss_gradients(algo: str, overrid
     assert max(worst) <= 1e-6, worst
     assert abs(metrics["loss"] - sum(losses) / len(losses)) <= 1e-6
     assert all(math.isfinite(v) for v in metrics.values()), metrics  # the entropy of constrained rows too
+    assert (metrics.get("ref_kl", 0.0) > 1e-4) == bool(config.kl_coef), metrics
+
+
+def test_the_kl_reference_is_the_start_also_after_a_learner_loads_a_checkpoint() -> None:
+    """A learner built from the start that loads a trained learner's state (a resumed run) keeps the start as
+    its KL reference: its next update is the trained learner's, bit for bit, KL included; a reference taken
+    from the loaded weights would make the KL 0. Bad KL settings are refused by name."""
+    pad = int(load_tokenizer(resolve_model("tiny")).pad_token_id)
+    config = LearnerConfig(device="cpu", lr=3e-3, finetune="full", kl_coef=0.5)
+    algorithm = make_algorithm("spo++")
+    episodes = oracle_episodes(int(load_model(resolve_model("tiny")).config.vocab_size))
+    advantages: list[float | torch.Tensor] = [(-1.0) ** e * (0.5 + e / 8) for e in range(len(episodes))]
+    trained = Learner(load_model(resolve_model("tiny")), config, pad_token_id=pad, total_steps=4)
+    for _ in range(2):
+        trained.update(episodes, advantages, algorithm)
+    resumed = Learner(load_model(resolve_model("tiny")), config, pad_token_id=pad, total_steps=4)
+    resumed.load_state_dict(copy.deepcopy(trained.state_dict()))  # as from a checkpoint: no shared moments
+    one, two = (learner.update(episodes, advantages, algorithm) for learner in (trained, resumed))
+    assert one["ref_kl"] > 1e-3
+    assert {k: v for k, v in one.items() if "seconds" not in k and "per_s" not in k} == {
+        k: v for k, v in two.items() if "seconds" not in k and "per_s" not in k
+    }
+    for a, b in zip(trained.params, resumed.params, strict=True):
+        assert torch.equal(a, b)
+    for bad, named in (
+        ({"kl_coef": -0.1}, "kl_coef"),
+        ({"kl_coef": math.nan}, "kl_coef"),
+        ({"kl_estimator": "k4"}, "kl_estimator"),
+        ({"kl_coef": 0.1, "sharding": "fsdp"}, "fsdp"),
+    ):
+        with pytest.raises(ValueError, match=named):
+            LearnerConfig(**bad)  # type: ignore[arg-type]
 
 
 def test_prefix_grouped_chunks_keep_an_episode_s_rows_apart_where_they_share_a_long_opening() -> None:
