@@ -10,6 +10,9 @@ group is as slow as its slowest member.
 - ``variant="dr-grpo"``: A = r - mean_g (no std), loss sum / (B * T_max) (TRL ``dr_grpo``).
 - ``variant="dapo"``: clip-higher [0.2, 0.28], token-mean loss, groups whose rewards are all equal (all 0
   or all 1) dropped from the batch (dynamic sampling; their advantages are 0 anyway).
+
+The paper's ``- beta D_KL[pi_theta || pi_ref]`` term is the learner's (``LearnerConfig.kl_coef``, k3 by default,
+``streamrl train --kl-coef 0.04``): 0 by default, as in Dr. GRPO and DAPO.
 """
 
 from __future__ import annotations
