@@ -86,7 +86,7 @@ class ScriptedTextEnv(gym.Env[str, str]):
 
 
 class PreparedTextEnv(ScriptedTextEnv):
-    """A ``ScriptedTextEnv`` with first-use data, as ALFWorld's generated games: ``prepare(marker=...)`` writes
+    """A ``ScriptedTextEnv`` with first-use data, as ALFWorld's generated games: ``prepare_data(marker=...)`` writes
     the file ``marker`` (appending the preparing process's pid), and the constructor refuses to build without it.
     ``prepare`` is an instance method that is not the hook: it must never be called."""
 
