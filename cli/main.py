@@ -7,6 +7,7 @@ streamrl compare               compare training runs: SPO++ Table 1 metrics, lea
 streamrl sft                   behaviour-clone a model on expert trajectories (SFT cold start), then evaluate it
 streamrl value-pretrain        fit SAO's critic on rollouts of the initial policy (``--critic-init`` of a run)
 streamrl alfworld-generate     generate the offline ALFWorld game splits into the cache
+streamrl average               the mean of a run's published policies' weights, as a policy of its own
 
 Every subcommand's flags are derived from documented config dataclasses (``streamrl.cli.args``):
 the options below, and for ``sft`` the training recipe ``SFTConfig`` itself, so a flag's type, choices, help and
@@ -431,6 +432,45 @@ def _compare(argv: Sequence[str]) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# streamrl average
+
+
+@dataclass(frozen=True)
+class AverageOptions:
+    """``streamrl average``: write the uniform mean of a run's published policies (full weights) as a policy
+    directory, evaluated like any other (``streamrl eval sft@OUT``)."""
+
+    run: Path | None = None
+    """The run directory whose published versions (``policy/v<K>``) are averaged."""
+    last: int = 0
+    """Average the run's last K published versions on disk (the run keeps ``keep_versions`` of them)."""
+    versions: str = ""
+    """Or these versions: a range ``A-B`` (both included) or a list ``A,B,C``."""
+    out: Path | None = None
+    """Where to write the averaged policy; default ``RUN/policy/avg<first>-<last>``."""
+
+
+def _average(argv: Sequence[str]) -> int:
+    from streamrl.algorithms.averaging import average_policies, select_versions
+
+    parser = _parser("average", AverageOptions.__doc__)
+    add_dataclass_arguments(parser, AverageOptions)
+    options = _build(parser, AverageOptions, parser.parse_args(argv))
+    if options.run is None:
+        parser.error("--run is required: the run directory whose policies to average")
+    run = RunDir(options.run)
+    try:
+        chosen = select_versions(run.policy_versions(), last=options.last, versions=options.versions)
+        out = options.out or run.policies / f"avg{chosen[0]}-{chosen[-1]}"
+        average_policies(options.run, chosen, out)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"streamrl average: {error}", file=sys.stderr)
+        return 2
+    print(f"the mean of versions {chosen} of {options.run}: {out}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Dispatch
 
 
@@ -467,6 +507,7 @@ COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
         _value_pretrain,
     ),
     "alfworld-generate": ("generate the offline ALFWorld game splits into the cache", _alfworld_generate),
+    "average": ("average a run's published policies (weight averaging over its last versions)", _average),
 }
 """Subcommand -> (one-line help, ``run(argv) -> exit status``). Each subcommand builds its own parser, so
 its imports (torch, the ALFWorld engine) happen only when it runs."""

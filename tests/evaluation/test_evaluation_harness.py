@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -200,8 +201,6 @@ def test_bad_eval_input_is_named_with_what_is_valid(
 ) -> None:
     filled = [a.format(root=runs["spo"].parent, spo=runs["spo"]) for a in argv]
     assert main(["eval", *filled, "--no-progress", "--env-workers", "inprocess"]) == 2
-    import re
-
     assert re.search(message, capsys.readouterr().err)
 
 
@@ -266,3 +265,65 @@ def test_the_vllm_backend_plays_the_hf_backend_s_greedy_episodes(
         run_evaluation(replace(config, agent=f"run:{runs['spo']}", backend="vllm"), log=QUIET)
     with pytest.raises(ValueError, match="backend must be 'hf' or 'vllm', got 'sglang'"):
         replace(config, backend="sglang")
+
+
+def test_averaged_policies_are_the_mean_of_the_versions_and_play_as_a_policy(
+    runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from streamrl.algorithms.averaging import AVERAGE_FILE
+
+    run = runs["spo"]
+
+    def weights(directory: Path) -> dict[str, Any]:
+        return load_file(str(directory / "model.safetensors"))
+
+    # Two versions that differ (this tiny run's updates barely move it): the run's v2, and v2 moved at random.
+    pair = tmp_path / "pair"
+    v1 = weights(run / "policy" / "v2")
+    g = torch.Generator().manual_seed(0)
+    v2 = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in v1.items()}
+    for version, tensors in ((1, v1), (2, v2)):
+        shutil.copytree(run / "policy" / "v2", pair / "policy" / f"v{version}")
+        save_file(
+            tensors, str(pair / "policy" / f"v{version}" / "model.safetensors"), metadata={"format": "pt"}
+        )
+    assert main(["average", "--run", str(pair), "--versions", "1-2", "--out", str(tmp_path / "mean")]) == 0
+    mean = weights(tmp_path / "mean")
+    assert set(mean) == set(v1)
+    for name, value in mean.items():  # the float64 mean, stored in the weights' own dtype
+        expected = ((v1[name].double() + v2[name].double()) / 2).to(v1[name].dtype)
+        assert value.dtype == v1[name].dtype and (value == expected).all(), name
+    assert json.loads((tmp_path / "mean" / AVERAGE_FILE).read_text())["versions"] == [1, 2]
+    assert not (tmp_path / "mean" / "streamrl_probe.json").exists()  # a version's probe is not the mean's
+    # The mean of one version is that version: it plays run:RUN@2's episodes token for token.
+    shutil.copy2(run / "config.json", pair / "config.json")
+    assert main(["average", "--run", str(pair), "--last", "1"]) == 0
+    one = pair / "policy" / "avg2-2"
+    assert all((weights(one)[k] == v2[k]).all() for k in v2)
+    report = run_evaluation(
+        EvalConfig(
+            agent=f"model:tiny@{one}", vs=f"run:{pair}@2", **{**SMALL, "tasks": 2}, temperatures=(1.0,)
+        ),
+        log=QUIET,
+    )
+    a, b = report["agents"]
+    assert a["episodes"] == b["episodes"]
+    # Bad input names the value and what is valid.
+    capsys.readouterr()
+    for argv, message in [
+        (["--last", "5"], r"last=5 needs 5 published versions on disk, the run has 2: \[1, 2\]"),
+        (["--versions", "2-4"], r"versions \[3, 4\] are not on disk; the run has \[1, 2\]"),
+        (["--versions", "x"], "versions must be 'A-B' or 'A,B,C' of version numbers, got 'x'"),
+        (["--last", "1", "--versions", "1"], "give exactly one of last"),
+    ]:
+        assert main(["average", "--run", str(pair), *argv]) == 2
+        assert re.search(message, capsys.readouterr().err), argv
+    adapter = tmp_path / "lora" / "policy" / "v1"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text("{}")
+    assert main(["average", "--run", str(tmp_path / "lora"), "--last", "1"]) == 2
+    assert "is a LoRA adapter: adapters do not average" in capsys.readouterr().err
