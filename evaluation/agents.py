@@ -53,6 +53,10 @@ class AgentSpec:
         kind, _, rest = text.partition(":")
         if text == "expert":
             return cls("expert")
+        if text.startswith("sft@"):  # the default model's SFT checkpoint with a policy over it
+            if text == "sft@":
+                raise ValueError(f"agent {text!r} names no policy directory after '@'; forms: {AGENT_FORMS}")
+            return cls("sft", DEFAULT_MODEL, policy=text[len("sft@") :])
         if kind == "sft" and not rest:
             return cls("sft", DEFAULT_MODEL)
         if kind not in ("run", "model", "sft") or not rest:

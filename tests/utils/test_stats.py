@@ -323,6 +323,7 @@ def test_paired_difference_refuses_different_episode_sets() -> None:
         ("expert", AgentSpec("expert")),
         ("sft", AgentSpec("sft", "tiny")),
         ("sft:smollm2-135m", AgentSpec("sft", "smollm2-135m")),
+        ("sft@runs/x/policy/avg41-60", AgentSpec("sft", "tiny", policy="runs/x/policy/avg41-60")),
         ("model:tiny@runs/x/policy/v3", AgentSpec("model", "tiny", policy="runs/x/policy/v3")),
         ("run:runs/x", AgentSpec("run", "runs/x")),
         ("run:runs/x@latest", AgentSpec("run", "runs/x")),
@@ -336,7 +337,11 @@ def test_agent_specs(text: str, spec: AgentSpec) -> None:
 
 @pytest.mark.parametrize(
     ("text", "message"),
-    [("gpt:4", "unknown agent 'gpt:4'; valid forms: run:DIR"), ("run:x@v2", "version 'v2' must be a number")],
+    [
+        ("gpt:4", "unknown agent 'gpt:4'; valid forms: run:DIR"),
+        ("run:x@v2", "version 'v2' must be a number"),
+        ("sft@", "agent 'sft@' names no policy directory"),
+    ],
 )
 def test_bad_agent_specs_name_the_valid_forms(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
