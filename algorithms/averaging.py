@@ -23,8 +23,10 @@ import torch
 from streamrl.agents.probe import PROBE_FILE
 from streamrl.algorithms.run_dir import RunDir
 
-__all__ = ["AVERAGE_FILE", "average_policies", "select_versions"]
+__all__ = ["AVERAGE_DIR", "AVERAGE_FILE", "average_policies", "select_versions"]
 
+AVERAGE_DIR = "average"
+"""Where a run's own averaged policy lies, under ``policy/`` (``TrainConfig.average_last``; ``run:DIR@average``)."""
 AVERAGE_FILE = "averaged_from.json"
 """Written beside the averaged weights: the run and the versions they are the mean of."""
 

@@ -148,6 +148,11 @@ class Trainer:
 
             self._ray_connected = connect(c.address)  # and so this trainer disconnects at close()
         self.learner = make_learner(c, policy, self.model_dir, int(self.tokenizer.pad_token_id))
+        if c.average_last and self.learner.finetune == "lora":  # finetune="auto" chose LoRA for this model
+            raise ConfigError(
+                f"average_last={c.average_last} averages full weights, and finetune={c.learner.finetune!r} "
+                f"trains {c.model} with LoRA (adapters do not average): use finetune='full' or average_last=0"
+            )
         context = SetupContext(
             model_dir=self.model_dir,
             device=self.learner.device,
@@ -271,12 +276,23 @@ class Trainer:
                 if c.checkpoint_every and self.updates % c.checkpoint_every == 0:
                     self._save_checkpoint()
             self._save_checkpoint()
+            if c.average_last and self.updates >= c.updates:
+                self._write_average()
         finally:
             for sig, handler in previous_handlers.items():  # a finished run no longer owns Ctrl-C
                 signal.signal(sig, handler)
             log.close()
             self.close()
         return {"updates": self.updates, "run_dir": str(self.run_dir), "interrupted": self._stop.is_set()}
+
+    def _write_average(self) -> None:
+        """The run's averaged policy (``TrainConfig.average_last``): the mean of its last K published versions,
+        written to ``policy/average`` once the last update is done (again, identically, when a finished run is
+        resumed)."""
+        from streamrl.algorithms.averaging import AVERAGE_DIR, average_policies
+
+        versions = self.files.policy_versions()[-self.config.average_last :]
+        average_policies(self.run_dir, versions, self.files.policies / AVERAGE_DIR)
 
     def close(self) -> None:
         """Release the env workers, the backend, the learner (and its ranks) and a Ray connection this trainer

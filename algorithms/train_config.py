@@ -122,6 +122,11 @@ class TrainConfig(ActionConstraint, RolloutFields):
     """Updates between checkpoints (also on SIGINT/SIGTERM and at the end)."""
     keep_versions: int = 3
     """Published policy versions kept on disk (at least max_staleness + 1)."""
+    average_last: int = 0
+    """At the end of the run, write the uniform mean of the last K published versions' weights to
+    ``policy/average`` (``streamrl.algorithms.averaging``: stochastic weight averaging), the run's result policy,
+    evaluated as ``run:DIR@average``. 0 = none. Full fine-tuning only (adapters do not average); needs
+    ``keep_versions >= K`` and at least K publications in the run."""
     dispatch: Dispatch = "fill"
     """Which episodes are started. ``"fill"`` (SPO++ as published): every free rollout slot, within the admission
     bound of ``max_staleness``; under the ``current-version`` rule the episodes still in flight when a version is
@@ -281,6 +286,26 @@ class TrainConfig(ActionConstraint, RolloutFields):
                 f"learner_ranks={c.learner_ranks} is more than the batch ({c.batch} trajectories): every rank needs "
                 "at least one trajectory of each update; use learner_ranks <= batch"
             )
+        if c.average_last < 0:
+            raise ConfigError(f"average_last must be >= 0 (0 = no averaged policy), got {c.average_last}")
+        if c.average_last:
+            published = c.updates // algorithm.config.publish_every
+            if c.keep_versions < c.average_last:
+                raise ConfigError(
+                    f"average_last={c.average_last} averages the last {c.average_last} published versions, but "
+                    f"keep_versions={c.keep_versions} keeps only that many on disk: use keep_versions >= "
+                    f"{c.average_last}"
+                )
+            if published < c.average_last:
+                raise ConfigError(
+                    f"average_last={c.average_last} needs that many publications; {c.updates} updates publishing "
+                    f"every {algorithm.config.publish_every} make {published}"
+                )
+            if c.learner.finetune == "lora":
+                raise ConfigError(
+                    "average_last > 0 averages full weights; LoRA adapters do not average (the mean of the A "
+                    "and B matrices is not the mean of the policies): use finetune='full' or average_last=0"
+                )
         if c.keep_versions < c.max_staleness + 1:
             raise ConfigError(
                 f"keep_versions={c.keep_versions} must be >= max_staleness + 1 = {c.max_staleness + 1}"

@@ -9,6 +9,7 @@ the env's scripted expert. :func:`load_agent` turns a spec into a :class:`Loaded
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ __all__ = [
 ]
 
 AgentKind = Literal["run", "model", "sft", "expert"]
-AGENT_FORMS = "run:DIR[@K], model:NAME[@POLICY_DIR], sft[:NAME][@POLICY_DIR], expert"
+AGENT_FORMS = "run:DIR[@K|@average], model:NAME[@POLICY_DIR], sft[:NAME][@POLICY_DIR], expert"
 DEFAULT_MODEL = "tiny"
 
 
@@ -44,7 +45,8 @@ class AgentSpec:
     version: int | None = None
     """``run``: the published version to load; ``None`` = the latest on disk."""
     policy: str | None = None
-    """``model`` / ``sft``: a published policy directory (adapter or full weights) over the model."""
+    """``model`` / ``sft``: a published policy directory (adapter or full weights) over the model; ``run``:
+    ``"average"`` for the run's averaged policy (``TrainConfig.average_last``) instead of a version."""
 
     @classmethod
     def parse(cls, text: str) -> AgentSpec:
@@ -66,10 +68,12 @@ class AgentSpec:
             raise ValueError(f"agent {text!r} names no {'run directory' if kind == 'run' else 'model'}")
         if kind == "run":
             version = None
+            if at and suffix == "average":
+                return cls("run", name, policy="average")
             if at and suffix != "latest":
                 if not suffix.isdigit():
                     raise ValueError(
-                        f"agent {text!r}: version {suffix!r} must be a number K (v K) or 'latest'"
+                        f"agent {text!r}: version {suffix!r} must be a number K (v K), 'latest' or 'average'"
                     )
                 version = int(suffix)
             return cls("run", name, version=version)
@@ -79,7 +83,8 @@ class AgentSpec:
         if self.kind == "expert":
             return "expert"
         if self.kind == "run":
-            return f"run:{self.name}" + ("" if self.version is None else f"@{self.version}")
+            at = self.policy if self.policy is not None else self.version
+            return f"run:{self.name}" + ("" if at is None else f"@{at}")
         return f"{self.kind}:{self.name}" + ("" if self.policy is None else f"@{self.policy}")
 
 
@@ -140,6 +145,18 @@ def load_agent(
         model_dir = initial_model_dir(
             str(config["model"]), config["init"], str(config["env"]), log=log, sft=config.get("sft")
         )
+        if spec.policy == "average":
+            from streamrl.algorithms.averaging import AVERAGE_DIR, AVERAGE_FILE
+
+            policy = RunDir(spec.name).policies / AVERAGE_DIR
+            if not (policy / AVERAGE_FILE).is_file():
+                raise FileNotFoundError(
+                    f"run {spec.name!r} has no averaged policy ({policy}): train it with average_last=K, or write "
+                    f"one with `streamrl average --run {spec.name} --last K --out {policy}`"
+                )
+            versions = json.loads((policy / AVERAGE_FILE).read_text())["versions"]
+            what = f"run {spec.name}, the mean of versions {versions[0]}-{versions[-1]} ({config['model']})"
+            return LoadedAgent(spec, what, _backend(model_dir, policy, versions[-1], device, backend))
         version = policy_version(spec.name, spec.version)
         policy = None if version == 0 else RunDir(spec.name).policy(version)
         what = f"run {spec.name} at version {version} ({config['model']}, init {config['init']})"

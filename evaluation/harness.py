@@ -5,6 +5,8 @@ An agent is named by a short spec (``AgentSpec.parse``):
 ==========================  =============================================================================
 ``run:DIR``, ``run:DIR@K``  the policy run ``DIR`` published as version K (``policy/vK``; default: the latest
                             on disk; ``@0`` is the model the run started from)
+``run:DIR@average``         the run's averaged policy (``policy/average``: the mean of its last versions'
+                            weights, ``TrainConfig.average_last`` or ``streamrl average``)
 ``model:NAME[@POLICY]``     a registry model or local Hugging Face directory, optionally with a published
                             policy (a LoRA adapter, or full fine-tuned weights) laid over it
 ``sft:NAME[@POLICY]``       NAME's SFT checkpoint for the env (what ``streamrl train --init sft`` starts from;
@@ -149,7 +151,7 @@ class EvalConfig(RolloutFields):
     second agent on the same episodes (paired). Prints a table and writes a JSON report."""
 
     agent: str = ""
-    """The agent: run:DIR[@K], model:NAME[@POLICY_DIR], sft[:NAME][@POLICY_DIR] or expert (required)."""
+    """The agent: run:DIR[@K or @average], model:NAME[@POLICY_DIR], sft[:NAME][@POLICY_DIR] or expert (required)."""
     vs: str | None = None
     """A second agent, played on the same episodes; the report adds the paired differences (agent − vs)."""
     env: str | None = None

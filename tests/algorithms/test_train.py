@@ -1135,6 +1135,21 @@ BAD = [
         id="keep",
     ),
     pytest.param(
+        {"average_last": 4},
+        "average_last=4 averages the last 4 published versions, but keep_versions=3 keeps only that many",
+        id="average-beyond-kept",
+    ),
+    pytest.param(
+        {"average_last": 3, "updates": 2},
+        "average_last=3 needs that many publications; 2 updates publishing every 2 make 1",
+        id="average-beyond-run",
+    ),
+    pytest.param(
+        {"average_last": 1, "learner": LearnerConfig(finetune="lora")},
+        "average_last > 0 averages full weights; LoRA adapters do not average",
+        id="average-lora",
+    ),
+    pytest.param(
         {"init": "sft", "sft": {"epochz": 3}},
         "sft=\\{'epochz': 3\\}: unknown sft override\\(s\\) \\['epochz'\\]; SFTConfig fields: .*'epochs'",
         id="sft-unknown",

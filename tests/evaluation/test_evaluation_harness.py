@@ -31,12 +31,14 @@ SMALL: dict[str, Any] = dict(
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Two matched runs (seed 0) of SPO++ and SPO from the base ``tiny``: 2 updates of 4 episodes, a held-out
-    evaluation of 4 episodes at every update."""
+    evaluation of 4 episodes at every update; SPO's (it publishes every update) also writes the mean of its two
+    versions."""
     root = tmp_path_factory.mktemp("runs")
     out = {}
     for algo in ("spo++", "spo"):
+        average = {"average_last": 2} if algo == "spo" else {}
         train(
-            run_config(root / algo, algo=algo, eval_every=1, eval_episodes=4, max_new_tokens=8),
+            run_config(root / algo, algo=algo, eval_every=1, eval_episodes=4, max_new_tokens=8, **average),
             progress=False,
         )
         out[algo] = root / algo
@@ -194,6 +196,7 @@ def test_a_run_at_any_version_and_paired_comparison(runs: dict[str, Path]) -> No
             "avoid_repeats=True needs constrained actions, and run:.*spo plays",
         ),
         (["model:tiny@{root}/none"], "policy directory '.*none' does not exist"),
+        (["run:{spo}++@average"], r"run '.*spo\+\+' has no averaged policy .*train it with average_last=K"),
     ],
 )
 def test_bad_eval_input_is_named_with_what_is_valid(
@@ -327,3 +330,29 @@ def test_averaged_policies_are_the_mean_of_the_versions_and_play_as_a_policy(
     (adapter / "adapter_config.json").write_text("{}")
     assert main(["average", "--run", str(tmp_path / "lora"), "--last", "1"]) == 2
     assert "is a LoRA adapter: adapters do not average" in capsys.readouterr().err
+
+
+def test_a_run_s_averaged_policy_is_the_mean_of_its_last_versions(runs: dict[str, Path]) -> None:
+    from safetensors.torch import load_file
+    from streamrl.algorithms.averaging import AVERAGE_FILE
+
+    run = runs["spo"]
+    average = run / "policy" / "average"
+    assert json.loads((average / AVERAGE_FILE).read_text())["versions"] == [1, 2]
+    v1, v2, mean = (
+        load_file(str(d / "model.safetensors"))
+        for d in (run / "policy" / "v1", run / "policy" / "v2", average)
+    )
+    for name, value in mean.items():
+        assert (value == ((v1[name].double() + v2[name].double()) / 2).to(value.dtype)).all(), name
+    report = run_evaluation(
+        EvalConfig(
+            agent=f"run:{run}@average",
+            vs=f"model:tiny@{average}",
+            **{**SMALL, "tasks": 2},
+            temperatures=(1.0,),
+        ),
+        log=QUIET,
+    )
+    a, b = report["agents"]
+    assert "the mean of versions 1-2" in a["description"] and a["episodes"] == b["episodes"]
