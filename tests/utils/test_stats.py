@@ -328,6 +328,7 @@ def test_paired_difference_refuses_different_episode_sets() -> None:
         ("run:runs/x", AgentSpec("run", "runs/x")),
         ("run:runs/x@latest", AgentSpec("run", "runs/x")),
         ("run:runs/x@4", AgentSpec("run", "runs/x", version=4)),
+        ("run:runs/x@average", AgentSpec("run", "runs/x", policy="average")),
     ],
 )
 def test_agent_specs(text: str, spec: AgentSpec) -> None:
