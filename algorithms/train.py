@@ -286,12 +286,17 @@ class Trainer:
         return {"updates": self.updates, "run_dir": str(self.run_dir), "interrupted": self._stop.is_set()}
 
     def _write_average(self) -> None:
-        """The run's averaged policy (``TrainConfig.average_last``): the mean of its last K published versions,
-        written to ``policy/average`` once the last update is done (again, identically, when a finished run is
-        resumed)."""
+        """The run's averaged policy (``TrainConfig.average_last``): the mean of its last K published versions
+        (all of them when it published fewer), written to ``policy/average`` once the last update is done (again,
+        identically, when a finished run is resumed)."""
         from streamrl.algorithms.averaging import AVERAGE_DIR, average_policies
 
         versions = self.files.policy_versions()[-self.config.average_last :]
+        if not versions:  # e.g. one update of an algorithm that publishes every second
+            self.log(
+                f"average_last={self.config.average_last}: the run published no version; no average written"
+            )
+            return
         average_policies(self.run_dir, versions, self.files.policies / AVERAGE_DIR)
 
     def close(self) -> None:

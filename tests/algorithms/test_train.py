@@ -1140,11 +1140,6 @@ BAD = [
         id="average-beyond-kept",
     ),
     pytest.param(
-        {"average_last": 3, "updates": 2},
-        "average_last=3 needs that many publications; 2 updates publishing every 2 make 1",
-        id="average-beyond-run",
-    ),
-    pytest.param(
         {"average_last": 1, "learner": LearnerConfig(finetune="lora")},
         "average_last > 0 averages full weights; LoRA adapters do not average",
         id="average-lora",
