@@ -347,6 +347,7 @@ class TrainConfig(ActionConstraint, RolloutFields):
             saved.setdefault("avoid_repeats", False)  # saved before the field: repeats allowed
             saved.setdefault("dispatch", "fill")  # saved before the field: every free slot
             saved.setdefault("schedule_updates", None)  # saved before the field: the schedule spans updates
+            saved.setdefault("average_last", 0)  # saved before the field: no averaged policy
             for values in (saved, mine):  # how the ranks hold the policy is placement: checkpoints are full
                 (values.get("learner") or {}).pop("sharding", None)
             changed = sorted(

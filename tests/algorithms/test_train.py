@@ -1259,6 +1259,14 @@ def test_resuming_with_another_config_fails(tmp_path: Path) -> None:
         Trainer(changed, resume=True, progress=False, log=QUIET)
     with pytest.raises(ConfigError, match="already holds a run; pass resume=True"):
         Trainer(config, progress=False, log=QUIET)
+    # a run saved before a field existed resumes at that field's old behaviour, and only there
+    saved = config.to_dict()
+    for field in ("average_last", "dispatch", "schedule_updates"):
+        saved.pop(field)
+    (tmp_path / "run" / "config.json").write_text(json.dumps(saved))
+    config.validate(make_algorithm(config.algo), resume=True)
+    with pytest.raises(ConfigError, match=r"with a different config \(average_last: 0 -> 2\)"):
+        replace(config, average_last=2).validate(make_algorithm(config.algo), resume=True)
 
 
 def test_resuming_from_another_start_fails(tmp_path: Path) -> None:
