@@ -262,16 +262,22 @@ class HFForwardDecoder:
         self.mask, self.last_pos = self.mask[rows], self.last_pos[rows]
 
 
-def load_weights(model: Any, directory: str | os.PathLike[str]) -> None:
-    """Load the full model weights saved in ``directory`` (``*.safetensors``, as ``save_pretrained`` writes
-    them) into ``model`` in place: how a served model takes a fully fine-tuned policy. ``ValueError`` when they
-    do not fit it (a tied ``lm_head.weight``, not saved twice, may be missing)."""
+def read_weights(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The tensors of every ``*.safetensors`` file in ``directory`` (as ``save_pretrained`` writes them), by
+    name, on the CPU."""
     from safetensors.torch import load_file
 
     weights: dict[str, torch.Tensor] = {}
     for path in sorted(Path(directory).glob("*.safetensors")):
         weights.update(load_file(str(path)))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    return weights
+
+
+def load_weights(model: Any, directory: str | os.PathLike[str]) -> None:
+    """Load the full model weights saved in ``directory`` (``read_weights``) into ``model`` in place: how a
+    served model takes a fully fine-tuned policy. ``ValueError`` when they do not fit it (a tied
+    ``lm_head.weight``, not saved twice, may be missing)."""
+    missing, unexpected = model.load_state_dict(read_weights(directory), strict=False)
     tied = {k for k in missing if k.endswith("lm_head.weight")}
     if set(missing) - tied or unexpected:
         raise ValueError(

@@ -67,19 +67,16 @@ def select_versions(available: Sequence[int], *, last: int = 0, versions: str = 
 
 
 def _weights(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    from streamrl.agents.hf_backend import read_weights
 
-    files = sorted(directory.glob("*.safetensors"))
     if (directory / "adapter_config.json").is_file():
         raise ValueError(
             f"{directory} is a LoRA adapter: adapters do not average (the mean of the A and B matrices is not "
             "the mean of the policies); average the versions of a fully fine-tuned run (--finetune full)"
         )
-    if not files:
+    weights = read_weights(directory)
+    if not weights:
         raise FileNotFoundError(f"{directory} holds no model weights (*.safetensors)")
-    weights: dict[str, torch.Tensor] = {}
-    for path in files:
-        weights.update(load_file(str(path)))
     return weights
 
 
