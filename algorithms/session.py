@@ -110,9 +110,14 @@ def env_hosting(
 
 
 def task_attributes(env: Any) -> dict[str, dict[str, str]]:
-    """Breakdown attributes of each task an env's task records carry: ``source`` and ``family`` (Math-TIR's
-    ``MathTask.source`` and ``meta["family"]``); envs without task records have none."""
+    """Breakdown attributes of each task: those an env's task records carry, ``source`` and ``family`` (Math-TIR's
+    ``MathTask.source`` and ``meta["family"]``), and those its ``task_attributes()`` method names (ALFWorld's
+    ``task_type``); an env with neither has none."""
     out: dict[str, dict[str, str]] = {}
+    describe = getattr(env.unwrapped, "task_attributes", None)
+    if callable(describe):
+        for task_id, named in describe().items():
+            out[str(task_id)] = {str(k): str(v) for k, v in named.items()}
     for task in getattr(env.unwrapped, "tasks", None) or ():
         attrs: dict[str, str] = {}
         if isinstance(getattr(task, "source", None), str):
@@ -120,7 +125,7 @@ def task_attributes(env: Any) -> dict[str, dict[str, str]]:
         family = (getattr(task, "meta", None) or {}).get("family")
         if isinstance(family, str):
             attrs["family"] = family
-        out[str(task.task_id)] = attrs
+        out.setdefault(str(task.task_id), {}).update(attrs)
     return out
 
 

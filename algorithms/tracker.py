@@ -15,7 +15,10 @@ files the outcome at the event that generated it and returns a :class:`Receipt` 
   with rho constant or drift-derived, rho = clamp(2^(-D / 0.06), 0.875, 0.96) (SPO recipe).
 - ``"bookkeeping"`` (GRPO, SAO): versions, in-flight tickets, staleness and per-task statistics only.
 
-A prioritized sampler draws tasks with w = sqrt(v̂ (1 - v̂)) + 0.05 without replacement (reference §3.5).
+A prioritized sampler draws tasks with w = sqrt(v̂ (1 - v̂)) + 0.05 without replacement (reference §3.5). Given
+``strata`` (a label per task, e.g. ALFWorld's task type), it first shares the probability equally among the strata
+that have an eligible task and then, within each, in proportion to w: the prioritized sampler's lean towards tasks
+near v̂ = 1/2 then cannot starve a whole kind of task of training.
 """
 
 from __future__ import annotations
@@ -340,6 +343,8 @@ class EventTracker:
 
     SPO (``TrackerConfig.spo()``) records after its update with ``record(ticket, reward, drift=D)``, D from
     :func:`logprob_drift` (0 on a task's first visit). ``clock`` stamps dispatch times (tests pass a fake).
+    ``strata`` (task id -> label, every task labelled) balances the sampler over the labels
+    (:meth:`sampling_probabilities`); it is configuration, not state: a resumed tracker is given it again.
     """
 
     def __init__(
@@ -348,6 +353,7 @@ class EventTracker:
         config: TrackerConfig | None = None,
         *,
         clock: Callable[[], float] = time.time,
+        strata: Mapping[str, str] | None = None,
     ) -> None:
         self.config = config if config is not None else TrackerConfig()
         self._clock = clock
@@ -369,6 +375,15 @@ class EventTracker:
         self._rng = np.random.default_rng(self.config.seed)
         self._offline_initialized = False
         self._memory: dict[str, Any] = {task_id: self._new_memory(0.5, 0.5) for task_id in self._task_ids}
+        self.strata: dict[str, str] | None = None
+        if strata is not None:
+            unlabelled = [t for t in self._task_ids if t not in strata]
+            if unlabelled:
+                raise ValueError(
+                    f"strata must label every task; {len(unlabelled)} of {len(self._task_ids)} have no label, "
+                    f"e.g. {unlabelled[:3]}"
+                )
+            self.strata = {t: str(strata[t]) for t in self._task_ids}
 
     def _new_memory(self, alpha0: float, beta0: float) -> Any:
         if self.config.mode == "event-time":
@@ -463,7 +478,9 @@ class EventTracker:
         """p(x) = w(x) / sum w over ``candidates`` (default: all tasks) that may be dispatched now.
 
         w = sqrt(v̂ (1 - v̂)) + eps (reference §3.5 with gamma = 0, §4.4); uniform in bookkeeping mode. With
-        ``one_in_flight`` tasks that have a ticket in flight are left out.
+        ``one_in_flight`` tasks that have a ticket in flight are left out. With ``strata``,
+        p(x) = w(x) / (K sum of w over the eligible tasks of x's stratum), K the number of strata with an eligible
+        task of positive weight: each such stratum gets 1 / K, shared within it as the sampler would.
         """
         pool = self._eligible(candidates)
         if not pool:
@@ -472,6 +489,17 @@ class EventTracker:
             weights = np.ones(len(pool))
         else:
             weights = sampling_weights([self._memory[t].value() for t in pool], self.config.sampler_eps)
+        if self.strata is not None:
+            labels = [self.strata[t] for t in pool]
+            mass: dict[str, float] = {}
+            for label, w in zip(labels, weights.tolist(), strict=True):
+                mass[label] = mass.get(label, 0.0) + w
+            weights = np.array(
+                [
+                    w / mass[label] if mass[label] > 0 else 0.0
+                    for label, w in zip(labels, weights, strict=True)
+                ]
+            )
         total = weights.sum()
         if total <= 0:
             raise ValueError("all sampler weights are 0; use sampler_eps > 0")

@@ -206,7 +206,11 @@ class Trainer:
                 "per task a batch could never fill; lower batch or raise tasks"
             )
         self.task_ids = task_ids
-        self.tracker = EventTracker(task_ids, self.algorithm.tracker_config(derive_seed(c.seed, "tracker")))
+        self.tracker = EventTracker(
+            task_ids,
+            self.algorithm.tracker_config(derive_seed(c.seed, "tracker")),
+            strata=self._strata(task_ids) if c.balance_by is not None else None,
+        )
         self.venv = self.side.session("train").venv
         lockstep = c.max_staleness == 0
         self.rollouts = Rollouts(
@@ -320,6 +324,21 @@ class Trainer:
         return self.pending.episodes
 
     # -- dispatch and rollout ----------------------------------------------------------------------------------
+    def _strata(self, task_ids: Sequence[str]) -> dict[str, str]:
+        """Each training task's value of ``config.balance_by`` (``RolloutSession.task_attributes``);
+        ``ConfigError`` naming the attributes every task has when a task lacks it."""
+        c = self.config
+        attrs = self.side.session("train").task_attributes
+        missing = [t for t in task_ids if c.balance_by not in attrs.get(t, {})]
+        if missing:
+            common = set.intersection(*(set(attrs.get(t, {})) for t in task_ids))
+            raise ConfigError(
+                f"balance_by={c.balance_by!r} is not an attribute of every {c.env} training task "
+                f"({len(missing)} of {len(task_ids)} lack it, e.g. {missing[0]!r}); valid: "
+                f"{sorted(common) or 'none (this env labels no tasks)'}"
+            )
+        return {t: attrs[t][c.balance_by] for t in task_ids}
+
     def _capacity(self) -> int:
         """How many more trajectories admission allows now (AReaL's rule, in trajectories); with
         ``dispatch="trainable"`` also no more than the batch rule can still train at the current version."""

@@ -136,6 +136,12 @@ class TrainConfig(ActionConstraint, RolloutFields):
     frees are refilled before an update that does not publish. Under ``current-version`` it trains every episode
     it starts, the slow ones too, where ``"fill"`` trains the first completed: it changes what SPO++ trains
     (docs/training.md, "Thrown-away work")."""
+    balance_by: str | None = None
+    """A task attribute (``RolloutSession.task_attributes``: ALFWorld's ``task_type``, Math-TIR's ``family`` or
+    ``source``) over whose values the task sampler is balanced: each value gets an equal share of the dispatches,
+    shared within it by the algorithm's own sampler (``EventTracker(strata=...)``). ``None`` (default): the
+    algorithm's sampler over all tasks, as published (SPO/SPO++ lean towards tasks near v̂ = 1/2, and with them
+    towards the kinds of task the policy half-solves)."""
     overlap: bool | None = None
     """Generate while the learner updates; ``None`` = only with an out-of-process backend (vLLM, Ray engines)."""
     env_workers: EnvWorkers = "subprocess"
@@ -348,6 +354,7 @@ class TrainConfig(ActionConstraint, RolloutFields):
             saved.setdefault("dispatch", "fill")  # saved before the field: every free slot
             saved.setdefault("schedule_updates", None)  # saved before the field: the schedule spans updates
             saved.setdefault("average_last", 0)  # saved before the field: no averaged policy
+            saved.setdefault("balance_by", None)  # saved before the field: the sampler over all tasks
             for values in (saved, mine):  # how the ranks hold the policy is placement: checkpoints are full
                 (values.get("learner") or {}).pop("sharding", None)
             changed = sorted(

@@ -112,6 +112,20 @@ def release_engine(engine: AlfredEngine) -> None:
         _FREE_ENGINES.append(engine)
 
 
+def _task_type(path: Path, game: Mapping[str, Any] | None = None) -> str:
+    """The task type of the game at ``path``: its ``traj_data.json`` (official and generated games have one), else
+    the game's own ``streamrl`` record (``game``, or read from ``path``); ``"unknown"`` when neither names one."""
+    traj_path = path.parent / "traj_data.json"
+    traj = json.loads(traj_path.read_text()) if traj_path.is_file() else {}
+    task_type = traj.get("task_type")
+    if not task_type:
+        if game is None:
+            with open(path) as f:
+                game = json.load(f)
+        task_type = (game.get("streamrl") or {}).get("task_type", "")
+    return task_type if task_type in TASK_TYPES else str(task_type or "unknown")
+
+
 def _find_official_games(data_path: str, split: Split) -> tuple[Path, list[Path]]:
     """The split folder and game files of an official ALFWorld split, filtered as
     ``AlfredTWEnv.collect_game_files`` does (no movable-receptacle or sliced tasks, only solvable games)."""
@@ -268,14 +282,16 @@ class ALFWorldEnv(TextEnv):
             game = json.load(f)
         if self._engine.loaded != str(path):  # an engine handed back by a closed env may hold it already
             self._engine.load(game, key=str(path))
-        traj_path = path.parent / "traj_data.json"
-        traj = json.loads(traj_path.read_text()) if traj_path.is_file() else {}
-        task_type = traj.get("task_type") or game.get("streamrl", {}).get("task_type", "")
         self._meta = {
-            "task_type": task_type if task_type in TASK_TYPES else str(task_type or "unknown"),
+            "task_type": _task_type(path, game),
             "walkthrough": list(game.get("walkthrough") or []),
             "gamefile": str(path),
         }
+
+    def task_attributes(self) -> dict[str, dict[str, str]]:
+        """Each game's ``task_type`` (one of ``TASK_TYPES``, or ``"unknown"``), read from its files without loading
+        it: what evaluation breaks success down by and what ``TrainConfig.balance_by`` may balance over."""
+        return {task_id: {"task_type": _task_type(path)} for task_id, path in self._paths.items()}
 
     # ---- TextEnv hooks ---------------------------------------------------------------------------
     def _describe_tasks(self) -> str:

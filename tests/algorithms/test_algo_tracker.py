@@ -123,6 +123,39 @@ def test_sampler_follows_the_weights_without_replacement() -> None:
     assert [again.sample(1)[0] for _ in range(4000)] == draws  # seeded
 
 
+def test_strata_share_the_sampler_equally_and_weigh_within_as_before() -> None:
+    """Balanced over strata: each label with an eligible task gets 1 / K, shared within it by w = sqrt(v(1-v)) +
+    .05. With v = 1/2 (w = .55) and v = 3/22 (w = .393) in stratum A and one task (w = .55) in B, A's tasks get
+    .55/.943/2 and .393/.943/2 and B's task 1/2 (without strata it would get .55/1.493 = .37)."""
+    ids = ["a_even", "a_hard", "b_even"]
+    strata = {"a_even": "A", "a_hard": "A", "b_even": "B"}
+    tracker = EventTracker(ids, TrackerConfig(seed=3, prior_mass=10), strata=strata)
+    tracker.init_offline({"a_even": [1] * 5 + [0] * 5, "a_hard": [1] + [0] * 9, "b_even": [1] * 5 + [0] * 5})
+    assert [tracker.value(t) for t in ids] == pytest.approx(
+        [0.5, 3 / 22, 0.5]
+    )  # offline prior: (n1 + .5) / 11
+    w_even, w_hard = 0.55, math.sqrt(3 / 22 * 19 / 22) + 0.05
+    probs = tracker.sampling_probabilities()
+    assert probs == pytest.approx(
+        {"a_even": w_even / (w_even + w_hard) / 2, "a_hard": w_hard / (w_even + w_hard) / 2, "b_even": 0.5}
+    )
+    draws = [tracker.sample(1)[0] for _ in range(4000)]
+    assert draws.count("b_even") / len(draws) == pytest.approx(0.5, abs=0.03)
+    # A stratum whose tasks are all in flight drops out: the others share everything.
+    ticket = tracker.dispatch("b_even")
+    assert tracker.sampling_probabilities() == pytest.approx(
+        {"a_even": w_even / (w_even + w_hard), "a_hard": w_hard / (w_even + w_hard)}
+    )
+    tracker.cancel(ticket)
+    # Uniform in bookkeeping mode (GRPO, SAO): uniform within each stratum.
+    grpo = EventTracker(ids, TrackerConfig(mode="bookkeeping", one_in_flight=False), strata=strata)
+    assert grpo.sampling_probabilities() == pytest.approx({"a_even": 0.25, "a_hard": 0.25, "b_even": 0.5})
+    with pytest.raises(
+        ValueError, match=r"strata must label every task; 1 of 3 have no label, e.g. \['b_even'\]"
+    ):
+        EventTracker(ids, TrackerConfig(), strata={"a_even": "A", "a_hard": "A"})
+
+
 def test_one_in_flight_cap() -> None:
     tracker = EventTracker(["a", "b", "c"], TrackerConfig(one_in_flight=True))
     ticket = tracker.dispatch("b")

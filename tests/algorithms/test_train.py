@@ -1190,6 +1190,11 @@ BAD = [
         id="schedule-updates",
     ),
     pytest.param(
+        {"balance_by": "task_type"},
+        "balance_by='task_type' is not an attribute of every math_tir training task .*valid: \\['family', 'source'\\]",
+        id="balance-by",
+    ),
+    pytest.param(
         {"env_kwargs": {"max_stepz": 3}},
         "env_kwargs=\\{'max_stepz': 3\\} do not fit the math_tir env",
         id="env-kwargs",
@@ -1222,6 +1227,25 @@ def test_offline_values_of_a_constrained_policy_are_cached_apart(tmp_path: Path)
             side.offline_cache_path(resolve_model("tiny"), ["alfworld/train/0000", "alfworld/train/0001"])
         )
     assert len(paths) == 3
+
+
+def test_balance_by_gives_each_value_of_the_attribute_an_equal_share_of_dispatches(tmp_path: Path) -> None:
+    """``balance_by`` reaches the trainer's sampler: over Math-TIR's training tasks each family gets the same
+    probability, where the sampler alone gives each family its share of the tasks (unequal here)."""
+    trainer = Trainer(
+        run_config(tmp_path / "run", tasks=None, balance_by="family"), progress=False, log=QUIET
+    )
+    try:
+        strata = trainer.tracker.strata
+        assert strata is not None and set(strata) == set(trainer.task_ids)
+        families = Counter(strata.values())
+        assert len(families) >= 3 and len(set(families.values())) > 1  # unequal family sizes
+        mass: Counter[str] = Counter()
+        for task, p in trainer.tracker.sampling_probabilities().items():
+            mass[strata[task]] += p
+        assert mass == pytest.approx({f: 1 / len(families) for f in families})
+    finally:
+        trainer.close()
 
 
 @pytest.mark.parametrize(("overrides", "message"), BAD)

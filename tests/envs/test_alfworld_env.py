@@ -211,6 +211,19 @@ def _write_official_tree(root: Path, sources: list[Path]) -> None:
             shutil.copy(src.parent / "traj_data.json", folder / "traj_data.json")
 
 
+def test_task_attributes_name_each_game_s_type_without_loading_it(env: ALFWorldEnv) -> None:
+    """What evaluation breaks down by and ``TrainConfig.balance_by`` balances over: every game's type, as a reset
+    of that game reports it, for all six types (``RolloutSession.task_attributes`` passes them through)."""
+    from streamrl.algorithms.session import task_attributes
+
+    attrs = task_attributes(env)
+    assert sorted(attrs) == sorted(env.task_ids)
+    assert {a["task_type"] for a in attrs.values()} == set(gen.TASK_TYPES)
+    for task_id in env.task_ids[:6]:
+        _, info = env.reset(options={"task_id": task_id})
+        assert attrs[task_id] == {"task_type": info["task_type"]}
+
+
 def test_official_data_layout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sources = [
         p for p in _golden_games() if "pick_and_place_simple" in p.parent.name or "look_at" in p.parent.name
@@ -224,6 +237,7 @@ def test_official_data_layout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert not any("movable" in t or "broken" in t for t in env.task_ids)
     _, info = env.reset(options={"task_id": env.task_ids[0]})
     assert info["walkthrough"] == [] and info["task_type"] in gen.TASK_TYPES
+    assert env.task_attributes()[env.task_ids[0]] == {"task_type": info["task_type"]}
     with pytest.raises(ValueError, match="has no walkthrough"):
         play_episode(env, ALFWorldExpertAgent(), options={"task_id": env.task_ids[0]})
     env.close()
